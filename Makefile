@@ -1,0 +1,34 @@
+# The README's two commands: `make run` and `make test`. Both create .venv when it is missing.
+# TORCH is installed first so pip never swaps in a multi-GB CUDA build on a CPU host;
+# on an NPU/CUDA host: make TORCH=torch==2.14.0 setup
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.canntrain-installed
+RUN_DIR ?= runs/quickstart
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lab clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (canntrain)" >/dev/null
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/canntrain run cookbook/00_quickstart.ipynb --run-dir $(RUN_DIR)
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab cookbook
+
+clean:
+	rm -rf runs cookbook/runs cookbook/llama/runs .cache .pytest_cache build *.egg-info

@@ -1,0 +1,5 @@
+"""Model registry: presets (tiny, llama2-7b/13b/70b) on transformers' Llama classes."""
+
+from canntrain_core.models.registry import PRESETS, build_config, build_model, count_parameters
+
+__all__ = ["PRESETS", "build_config", "build_model", "count_parameters"]

@@ -1,0 +1,354 @@
+"""Recipe schema: every key defined once, validated before any work starts.
+
+A recipe is a YAML file. Papermill parameters, ``canntrain ... --set a.b=c`` and the
+YAML itself all use the same dotted keys. ``load_recipe`` returns a validated
+:class:`Recipe`; any problem is a :class:`RecipeError` naming the file and the key
+(and, where the YAML says, the line).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message says which file, key and line."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ExperimentConfig(_Section):
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = Field(1234, ge=0)
+
+
+class ModelConfig(_Section):
+    type: Literal["llama"] = "llama"
+    preset: str = "tiny"
+    # Keys of the transformers config to change, e.g. {num_hidden_layers: 2}.
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    precision: Literal["bf16", "fp16", "fp32"] = "fp32"
+    # Which fused-kernel backend the model uses (see kernels/): auto picks the fastest checked one.
+    kernels: Literal["auto", "eager", "compile", "npu", "cuda"] = "eager"
+    # Per-op backend choices that win over `kernels`, e.g. {cross_entropy: eager}.
+    kernel_overrides: dict[
+        Literal["rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy"],
+        Literal["auto", "eager", "compile", "npu", "cuda"],
+    ] = Field(default_factory=dict)
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        from canntrain_core.models.registry import PRESETS
+
+        if v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; known: {', '.join(sorted(PRESETS))}")
+        return v
+
+
+class TokenizerConfig(_Section):
+    type: Literal["bpe"] = "bpe"
+    vocab_size: int = Field(4096, ge=260, le=2**20)
+
+
+class DataConfig(_Section):
+    # "stdlib" (this interpreter's standard-library .py files), a directory of text files,
+    # or a .jsonl file whose records hold text under `text_field`.
+    source: str = "stdlib"
+    text_field: str = "text"
+    # Deterministic subset of the corpus, so tiny recipes tokenize in seconds.
+    max_bytes: int | None = Field(None, gt=0)
+    max_files: int | None = Field(None, gt=0)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    seq_length: int = Field(128, gt=1)
+    batch_size: int = Field(8, gt=0, description="micro-batch per device")
+    num_workers: int = Field(0, ge=0)
+    persistent_workers: bool = False
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    cache_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _workers(self) -> "DataConfig":
+        if self.persistent_workers and self.num_workers == 0:
+            raise ValueError("persistent_workers needs num_workers > 0")
+        return self
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    warmup_steps: int | None = Field(None, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_accum_steps: int = Field(1, gt=0)
+    max_steps: int = Field(100, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    # Keep AdamW states (and fp32 master weights) in host memory: the seeds' "swap optimizer".
+    offload_optimizer: bool = False
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("each beta must be in [0, 1)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> "OptimConfig":
+        if self.warmup_ratio is not None and self.warmup_steps is not None:
+            raise ValueError("give warmup_ratio or warmup_steps, not both")
+        return self
+
+    @property
+    def warmup(self) -> int:
+        """Warmup length in optimizer steps."""
+        if self.warmup_steps is not None:
+            return min(self.warmup_steps, self.max_steps)
+        return int(round((self.warmup_ratio or 0.0) * self.max_steps))
+
+
+class DistributedConfig(_Section):
+    world_size: int = Field(1, gt=0)
+    tensor_parallel_size: int = Field(1, gt=0)
+    pipeline_parallel_size: int = Field(1, gt=0)
+    data_parallel_size: int = Field(1, gt=0)
+    context_parallel_size: int = Field(1, gt=0)
+    # Experts are spread over data/context-parallel ranks (as in Megatron), so ep is not a factor
+    # of world_size; it must divide data_parallel_size * context_parallel_size.
+    expert_parallel_size: int = Field(1, gt=0)
+    # ZeRO stage 0-3 (true means 3, i.e. FSDP full sharding; false means 0).
+    zero_optimization: int = Field(0, ge=0, le=3)
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    # Micro-batches per pipeline step; None means grad_accum_steps (each accumulation step is one).
+    num_microbatches: int | None = Field(None, gt=0)
+
+    @field_validator("zero_optimization", mode="before")
+    @classmethod
+    def _zero_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return 3 if v else 0
+        return v
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "DistributedConfig":
+        product = (
+            self.tensor_parallel_size
+            * self.pipeline_parallel_size
+            * self.data_parallel_size
+            * self.context_parallel_size
+        )
+        if product != self.world_size:
+            raise ValueError(
+                f"world_size={self.world_size} but tensor_parallel_size({self.tensor_parallel_size}) x "
+                f"pipeline_parallel_size({self.pipeline_parallel_size}) x data_parallel_size"
+                f"({self.data_parallel_size}) x context_parallel_size({self.context_parallel_size}) = {product}"
+            )
+        if (self.data_parallel_size * self.context_parallel_size) % self.expert_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} must divide data_parallel_size x "
+                f"context_parallel_size = {self.data_parallel_size * self.context_parallel_size}"
+            )
+        return self
+
+
+class LoggingConfig(_Section):
+    log_interval: int = Field(10, gt=0)
+    eval_interval: int = Field(50, gt=0)
+    eval_batches: int = Field(8, gt=0, description="validation micro-batches per evaluation")
+    ckpt_interval: int = Field(100, gt=0)
+    keep_last: int = Field(3, gt=0)
+
+
+class Recipe(_Section):
+    experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
+    train_mode: Literal["pretrain"] = "pretrain"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    # A checkpoint directory, "auto" (newest complete checkpoint in the run directory) or null.
+    resume_from: str | None = None
+
+    # ---- derived values, computed from the keys above, never set by hand ----
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step: micro-batch x data-parallel size x grad_accum_steps."""
+        return self.data.batch_size * self.distributed.data_parallel_size * self.optim.grad_accum_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.data.seq_length
+
+    def derived(self) -> dict[str, int]:
+        return {
+            "global_batch_size": self.global_batch_size,
+            "tokens_per_step": self.tokens_per_step,
+            "warmup_steps": self.optim.warmup,
+            "total_tokens": self.tokens_per_step * self.optim.max_steps,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        body = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        derived = "".join(f"#   {k}: {v}\n" for k, v in self.derived().items())
+        return body + "# derived (not read back):\n" + derived
+
+    def summary(self) -> str:
+        d = self.distributed
+        lines = [
+            f"recipe {self.experiment.name!r}: {self.train_mode} {self.model.type}/{self.model.preset} "
+            f"in {self.model.precision}",
+            f"  parallel: world {d.world_size} = tp {d.tensor_parallel_size} x pp {d.pipeline_parallel_size} "
+            f"x dp {d.data_parallel_size} x cp {d.context_parallel_size} (ep {d.expert_parallel_size}, "
+            f"zero {d.zero_optimization})",
+            f"  global batch = micro-batch {self.data.batch_size} x dp {d.data_parallel_size} x accum "
+            f"{self.optim.grad_accum_steps} = {self.global_batch_size} sequences "
+            f"= {self.tokens_per_step:,} tokens/step",
+            f"  {self.optim.max_steps} steps, lr {self.optim.lr:g} ({self.optim.scheduler}, "
+            f"{self.optim.warmup} warmup steps, min {self.optim.min_lr_ratio:g} x lr)",
+        ]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Map each dotted key in a YAML document to its 1-based line number."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                lines[key] = k.start_mark.line + 1
+                walk(v, key + ".")
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+def _parse_value(raw: Any) -> Any:
+    """CLI values arrive as strings; read them the way YAML would (1e-4, true, [0.9, 0.95])."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        return raw
+
+
+def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str, Any]:
+    """Accept {"optim.lr": 1e-4} (papermill) or ["optim.lr=1e-4"] (CLI) and return a dict."""
+    if not overrides:
+        return {}
+    if isinstance(overrides, Mapping):
+        return {str(k): _parse_value(v) for k, v in overrides.items()}
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r}: expected KEY=VALUE, e.g. optim.lr=1e-4")
+        key, value = item.split("=", 1)
+        out[key.strip()] = _parse_value(value)
+    return out
+
+
+def _apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise RecipeError(f"override {dotted}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format_errors(err: ValidationError, source: str, lines: dict[str, int], from_override: set[str]) -> str:
+    msgs = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        # Pydantic puts model-level (cross-field) errors on the section itself.
+        where = source
+        if key in from_override:
+            where = "override"
+        elif key in lines:
+            where = f"{source}, line {lines[key]}"
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            if "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
+                msg += f" (got {e['input']!r})"
+        msgs.append(f"{where}: {key or '<root>'}: {msg}")
+    return "invalid recipe:\n  " + "\n  ".join(msgs)
+
+
+def load_recipe(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | list[str] | None = None,
+) -> Recipe:
+    """Read a YAML recipe, apply dotted overrides, validate, and return the Recipe.
+
+    ``path=None`` starts from the defaults. Raises :class:`RecipeError` naming the file,
+    the dotted key and, where known, the line.
+    """
+    source = str(path) if path is not None else "<defaults>"
+    text = ""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise RecipeError(f"{source}: recipe file not found")
+        text = p.read_text()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f", line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise RecipeError(f"{source}{line}: YAML syntax error: {problem}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise RecipeError(f"{source}: a recipe must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    data = copy.deepcopy(data)
+    parsed = parse_overrides(overrides)
+    for key, value in parsed.items():
+        _apply_override(data, key, value)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format_errors(e, source, _key_lines(text), set(parsed))) from None
+
+
+def save_resolved(recipe: Recipe, run_dir: str | Path) -> Path:
+    """Write recipe.resolved.yaml (what actually ran, defaults filled in) into the run directory."""
+    out = Path(run_dir) / "recipe.resolved.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(recipe.to_yaml())
+    return out

@@ -1,0 +1,151 @@
+"""The accelerator layer: the one place that knows whether we run on an NPU, a GPU or the CPU.
+
+Everything device-specific (collective backend, autocast dtype, synchronize, memory stats,
+RNG seeding) goes through :class:`Accelerator`; the rest of canntrain never says ``if npu``.
+Importing this module never imports torch_npu; it is probed on first use and a failure to
+import it (no CANN toolkit) simply means "no NPU".
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import random
+import resource
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@functools.lru_cache(maxsize=1)
+def npu_available() -> bool:
+    """True when torch_npu imports and at least one NPU is visible."""
+    try:
+        importlib.import_module("torch_npu")
+    except Exception:  # ImportError, or CANN libraries missing at load time
+        return False
+    return hasattr(torch, "npu") and torch.npu.is_available() and torch.npu.device_count() > 0
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Device facts and device-specific calls for one process."""
+
+    type: str  # "npu" | "cuda" | "cpu"
+    index: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.type, self.index) if self.type != "cpu" else torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend for this device: hccl, nccl or gloo."""
+        return {"npu": "hccl", "cuda": "nccl"}.get(self.type, "gloo")
+
+    @property
+    def module(self) -> Any:
+        """torch.npu / torch.cuda, or None on CPU."""
+        return getattr(torch, self.type) if self.type != "cpu" else None
+
+    def device_count(self) -> int:
+        return self.module.device_count() if self.module is not None else 1
+
+    def supports_dtype(self, precision: str) -> bool:
+        if precision == "bf16" and self.type == "cuda":
+            return torch.cuda.is_bf16_supported()
+        return True
+
+    def autocast(self, precision: str):
+        """Mixed-precision context for forward passes; fp32 is a no-op."""
+        dtype = _DTYPES[precision]
+        if dtype == torch.float32:
+            return nullcontext()
+        if not self.supports_dtype(precision):
+            raise RuntimeError(f"model.precision={precision} is not supported on {self.type}")
+        return torch.autocast(device_type=self.type, dtype=dtype)
+
+    def synchronize(self) -> None:
+        if self.module is not None:
+            self.module.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        if self.module is not None:
+            self.module.reset_peak_memory_stats()
+
+    def peak_memory_bytes(self) -> int:
+        """Peak allocated device memory; on CPU the process's peak resident set size."""
+        if self.module is not None:
+            return int(self.module.max_memory_allocated())
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+    def memory_capacity_bytes(self) -> int | None:
+        if self.module is not None:
+            return int(self.module.get_device_properties(self.index).total_memory)
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+
+    def name(self) -> str:
+        if self.module is not None:
+            return str(self.module.get_device_name(self.index))
+        return "cpu"
+
+    def set_device(self) -> None:
+        if self.module is not None:
+            self.module.set_device(self.index)
+
+    def rng_state(self) -> dict[str, Any]:
+        """Every RNG state a bit-exact resume needs."""
+        state = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if self.module is not None:
+            state[self.type] = self.module.get_rng_state(self.index)
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if self.module is not None and self.type in state:
+            self.module.set_rng_state(state[self.type], self.index)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy, torch and every visible device RNG."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds CUDA; torch_npu patches it to seed NPUs too
+
+
+def get_accelerator(prefer: str | None = None) -> Accelerator:
+    """npu (torch_npu importable and a device present) > cuda > cpu.
+
+    ``prefer`` (or $CANNTRAIN_DEVICE) forces one, e.g. "cpu" on a GPU host for a test.
+    The device index is LOCAL_RANK under torchrun.
+    """
+    prefer = prefer or os.environ.get("CANNTRAIN_DEVICE")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    if prefer:
+        if prefer == "npu" and not npu_available():
+            raise RuntimeError("CANNTRAIN_DEVICE=npu but torch_npu or an NPU is not available")
+        if prefer == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("CANNTRAIN_DEVICE=cuda but CUDA is not available")
+        return Accelerator(prefer, index if prefer != "cpu" else 0)
+    if npu_available():
+        return Accelerator("npu", index)
+    if torch.cuda.is_available():
+        return Accelerator("cuda", index)
+    return Accelerator("cpu")

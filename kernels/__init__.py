@@ -1,0 +1,1 @@
+"""Fused kernels (RMSNorm, RoPE, SwiGLU, attention, cross-entropy): a registry of backends per device."""
