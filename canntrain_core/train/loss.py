@@ -17,5 +17,5 @@ def plain_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
 
 def causal_lm_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, cross_entropy=plain_cross_entropy):
     """Loss of a transformers *ForCausalLM on already-shifted targets (targets[t] = input_ids[t+1])."""
-    hidden = model.model(input_ids=input_ids).last_hidden_state
+    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
     return cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, targets.flatten())

@@ -1,0 +1,1 @@
+"""Jobs: notebooks executed headless with papermill, and run-directory reports."""

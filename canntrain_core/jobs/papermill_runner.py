@@ -1,0 +1,76 @@
+"""Run a cookbook notebook headless with papermill, the executed copy landing in the run directory."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from canntrain_core.train.metrics import read_metrics
+
+
+class NotebookFailed(RuntimeError):
+    """A cell raised; the message names the cell and the error, and where the executed notebook is."""
+
+
+def parse_parameter(raw: str) -> Any:
+    """Read a -p value the way YAML would: 1e-4, true, {optim.lr: 1e-4}, [a, b]; else keep the string."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def run_notebook(notebook: str | Path, run_dir: str | Path | None = None,
+                 parameters: dict[str, Any] | None = None, progress: bool = True) -> Path:
+    """Execute ``notebook`` with papermill; return the path of the executed copy.
+
+    The notebook runs with its own folder as working directory (as in JupyterLab) and receives
+    ``run_dir`` as a parameter, so everything it writes lands next to the executed notebook.
+    """
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    nb = Path(notebook).resolve()
+    if not nb.is_file():
+        raise FileNotFoundError(f"{notebook}: no such notebook")
+    run_dir = Path(run_dir or Path("runs") / f"{nb.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    params = {"run_dir": str(run_dir), **(parameters or {})}
+    out = run_dir / nb.name
+    try:
+        pm.execute_notebook(str(nb), str(out), parameters=params, cwd=str(nb.parent), progress_bar=progress)
+    except PapermillExecutionError as e:
+        raise NotebookFailed(
+            f"{nb.name}: cell {e.cell_index} (execution count {e.exec_count}) raised {e.ename}: {e.evalue}\n"
+            f"  the executed notebook with the full traceback: {out}"
+        ) from None
+    return out
+
+
+def describe_run(run_dir: str | Path) -> str:
+    """What a run directory holds and how the run ended, for the end of `make run`."""
+    run_dir = Path(run_dir)
+    lines = [f"run directory: {run_dir}"]
+    for name, what in [("recipe.resolved.yaml", "the recipe as it ran"), ("metrics.jsonl", "one JSON line per log step")]:
+        if (run_dir / name).is_file():
+            lines.append(f"  {name:<24} {what}")
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    if ckpts:
+        lines.append(f"  {'checkpoints/':<24} {', '.join(p.name for p in ckpts)}")
+    for png in sorted(run_dir.glob("plots/*.png")):
+        lines.append(f"  {str(png.relative_to(run_dir)):<24} plot")
+    for nb in sorted(run_dir.glob("*.ipynb")):
+        lines.append(f"  {nb.name:<24} executed notebook")
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if "val_loss" in r]
+    if train:
+        lines.append(f"final train loss {train[-1]['loss']:.4f} at step {train[-1]['step']}")
+    if val:
+        first = val[0]
+        lines.append(f"val loss {val[-1]['val_loss']:.4f} at step {val[-1]['step']} "
+                     f"(was {first['val_loss']:.4f} at step {first['step']})")
+    return "\n".join(lines)

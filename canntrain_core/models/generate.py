@@ -1,0 +1,26 @@
+"""Sampling text from a trained model, to see what the loss number means."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def sample_text(model, data, prompt: str = "def ", max_new_tokens: int = 64, temperature: float = 0.8,
+                top_k: int = 50, seed: int = 0) -> str:
+    """Continue ``prompt`` with top-k sampling; ``data`` is the DataBundle whose tokenizer trained the model."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([data.encode(prompt)], device=device)
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids, use_cache=False).logits[:, -1, :] / temperature
+            top = torch.topk(logits, top_k)
+            choice = torch.multinomial(torch.softmax(top.values, dim=-1), 1)
+            ids = torch.cat([ids, top.indices.gather(-1, choice)], dim=1)
+            if ids[0, -1].item() == data.eos_id:
+                break
+    model.train(was_training)
+    return data.decode(ids[0].tolist())

@@ -1,0 +1,1 @@
+"""Training: the loop, optimizer and schedule, loss, metrics."""

@@ -1,0 +1,34 @@
+"""`canntrain train RECIPE [--set KEY=VALUE]... [--run-dir DIR] [--resume-from PATH|auto]`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a recipe without Jupyter")
+    p.add_argument("recipe", help="recipe YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key, e.g. --set optim.lr=1e-4 (repeatable)")
+    p.add_argument("--run-dir", default=None, help="run directory (default: {output_dir}/{name}-{timestamp})")
+    p.add_argument("--resume-from", default=None, metavar="PATH|auto",
+                   help="checkpoint directory, or 'auto' for the newest complete one in the run directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from canntrain_core.checkpoint import CheckpointError
+    from canntrain_core.recipe import load_recipe
+    from canntrain_core.train.trainer import RunDirError, Trainer
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    print(recipe.summary())
+    try:
+        trainer = Trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
+    except (RunDirError, CheckpointError) as e:
+        print(f"canntrain train: {e}")
+        return 2
+    result = trainer.fit()
+    print(result)
+    return 0

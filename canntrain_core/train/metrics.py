@@ -1,0 +1,88 @@
+"""Throughput, FLOPs and MFU, and the metrics.jsonl log of a run."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from canntrain_core.runtime import Accelerator
+
+# Dense peak TFLOP/s per device for 16-bit matmuls (vendor figures). fp32 runs use the measured probe.
+PEAK_TFLOPS_16BIT = {
+    "Ascend910B": 313.0,  # 910B3 (the common 910B SKU); 910B1 is ~376
+    "A100": 312.0,
+    "H100": 989.0,
+    "H200": 989.0,
+}
+
+
+def flops_per_token(config, seq_length: int) -> float:
+    """Training FLOPs per token, as torchtitan counts them: 6 x non-embedding params + attention.
+
+    Attention scores and values cost 12 x layers x hidden x seq_length per token (forward + backward).
+    """
+    h, layers = config.hidden_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * config.intermediate_size  # q,o + k,v + mlp
+    params = layers * per_layer + config.vocab_size * h  # the output projection is a matmul too
+    return 6.0 * params + 12.0 * layers * h * seq_length
+
+
+@functools.lru_cache(maxsize=8)
+def measured_peak_flops(device: str, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an n x n matmul on this device: the CPU's 'peak' for MFU (no vendor figure exists)."""
+    g = torch.Generator(device=device).manual_seed(0)  # its own RNG: measuring must not shift training's
+    a = torch.randn(n, n, device=device, generator=g).to(dtype)
+    b = torch.randn(n, n, device=device, generator=g).to(dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        if device != "cpu":
+            getattr(torch, torch.device(device).type).synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_flops(acc: Accelerator, precision: str) -> tuple[float, str]:
+    """Peak FLOP/s used for MFU and where the figure comes from."""
+    if acc.type != "cpu" and precision in ("bf16", "fp16"):
+        name = acc.name()
+        for key, tflops in PEAK_TFLOPS_16BIT.items():
+            if key.lower() in name.lower().replace(" ", ""):
+                return tflops * 1e12, f"{key} spec"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return measured_peak_flops(str(acc.device), dtype), f"measured {precision} matmul probe"
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl: one JSON object per line, flushed as written."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines past ``step`` (a resumed run rewrites what followed its checkpoint)."""
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,43 @@
+"""Loss curves from metrics.jsonl, for one run or several overlaid (e.g. a resumed run on its original)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from canntrain_core.train.metrics import read_metrics
+
+
+def loss_figure(run_dirs: list[str | Path], labels: list[str] | None = None, styles: list[str] | None = None):
+    """A figure with train loss (lines) and validation loss (markers) against step for each run."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, run_dir in enumerate(run_dirs):
+        rows = read_metrics(run_dir)
+        label = labels[i] if labels else Path(run_dir).name
+        style = styles[i] if styles else "-"
+        train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        if train:
+            line, = ax.plot(*zip(*train), style, label=f"{label} train")
+            color = line.get_color()
+        else:
+            color = None
+        if val:
+            ax.plot(*zip(*val), "o", color=color, mfc="none", label=f"{label} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_loss(run_dirs: list[str | Path], out: str | Path, labels: list[str] | None = None) -> Path:
+    """Draw the loss curves of ``run_dirs`` into the PNG ``out``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig = loss_figure(run_dirs, labels)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

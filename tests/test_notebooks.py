@@ -1,0 +1,71 @@
+"""Notebook hygiene (parameters cell, no committed outputs) and headless runs through papermill."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from canntrain_core.train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "cookbook").rglob("*.ipynb"))
+NOTEBOOKS = [p for p in NOTEBOOKS if ".ipynb_checkpoints" not in p.parts and "runs" not in p.parts]
+
+
+def test_cookbook_has_the_core_notebooks():
+    names = {p.relative_to(ROOT / "cookbook").as_posix() for p in NOTEBOOKS}
+    assert {"00_quickstart.ipynb", "llama/pretrain.ipynb", "llama/resume.ipynb"} <= names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_parameters_cell_first_and_no_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    assert code_cells, "a notebook without code"
+    assert "parameters" in code_cells[0].metadata.get("tags", []), "first code cell must be tagged `parameters`"
+    for i, cell in enumerate(code_cells):
+        assert not cell.outputs, f"code cell {i} has committed outputs"
+        assert cell.execution_count is None, f"code cell {i} has an execution count"
+
+
+def _canntrain(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "canntrain_core.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_papermill_quickstart_run_dir_is_complete(tmp_path):
+    run_dir = tmp_path / "quick"
+    proc = _canntrain("run", "cookbook/00_quickstart.ipynb", "-p", "max_steps", "40",
+                      "-p", "overrides", "{logging.eval_interval: 20, logging.ckpt_interval: 20}",
+                      "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "00_quickstart.ipynb").is_file()
+    assert (run_dir / "recipe.resolved.yaml").is_file() and (run_dir / "plots" / "loss.png").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_20", "step_40"]
+    rows = read_metrics(run_dir)
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 20, 40]
+    assert vals[-1] < vals[0] - 1.0, vals  # the loss fell by more than a nat
+    assert "final train loss" in proc.stdout and str(run_dir) in proc.stdout
+    # The executed notebook carries outputs, the parameters papermill injected among them.
+    executed = nbformat.read(run_dir / "00_quickstart.ipynb", as_version=4)
+    injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert injected and "max_steps = 40" in injected[0].source
+
+
+def test_failing_cell_is_named(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("y = 2"),
+        nbformat.v4.new_code_cell("raise ValueError('the data path is wrong')"),
+    ])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "broken.ipynb"
+    nbformat.write(nb, path)
+    proc = _canntrain("run", str(path), "--run-dir", str(tmp_path / "out"))
+    assert proc.returncode != 0
+    assert "ValueError: the data path is wrong" in proc.stderr
+    assert "cell" in proc.stderr and str(tmp_path / "out" / "broken.ipynb") in proc.stderr

@@ -1,0 +1,41 @@
+"""Packaging promises: conda and pip agree, and our `kernels` package does not fool transformers."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_name(r): r for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_list = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    got = {_name(r): r for r in pip_list if not r.startswith("-e")}
+    assert set(got) == set(wanted)
+    for name, req in got.items():
+        if name == "torch":  # conda pins the exact build the Makefile installs; pyproject holds the range
+            assert req == "torch==2.13.0"
+        else:
+            assert req.replace(" ", "") == wanted[name].replace(" ", ""), name
+
+
+def test_makefile_installs_pinned_torch_first():
+    make = (ROOT / "Makefile").read_text()
+    assert "TORCH  ?= torch==2.13.0" in make
+    assert make.index('pip install -q "$(TORCH)"') < make.index('pip install -q -e ".[dev]"')
+
+
+def test_transformers_does_not_see_hub_kernels():
+    # A top-level package named `kernels` is found by importlib; transformers must still not
+    # believe the unrelated hub `kernels` package is installed.
+    from transformers.utils.import_utils import is_kernels_available
+
+    assert is_kernels_available() is False
