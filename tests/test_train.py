@@ -1,0 +1,115 @@
+"""Trainer behaviour: bit-exact resume, run-directory safety, checkpoint integrity, schedule."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from canntrain_core.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, verify_checkpoint
+from canntrain_core.train.metrics import read_metrics
+from canntrain_core.train.optim import lr_factor
+from canntrain_core.train.trainer import RunDirError, Trainer
+
+from conftest import ROOT, TINY
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        # accumulation, worker processes that prefetch ahead of the trainer, and bf16 autocast
+        {"optim.grad_accum_steps": 2, "data.num_workers": 2, "data.persistent_workers": True,
+         "model.precision": "bf16"},
+    ],
+    ids=["plain", "accum2-workers2-bf16"],
+)
+def test_resume_is_bit_exact(tmp_path, fast_recipe, extra):
+    recipe = fast_recipe(**extra)
+    Trainer(recipe, run_dir=tmp_path / "full", progress=False).fit()
+    Trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=5)
+    resumed = Trainer(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False)
+    assert resumed.step == 5
+    resumed.fit()
+    full, cut = losses(tmp_path / "full"), losses(tmp_path / "cut")
+    assert sorted(full) == sorted(cut) == list(range(1, 13))
+    assert all(full[s] == cut[s] for s in full), {s: (full[s], cut[s]) for s in full if full[s] != cut[s]}
+    # The resumed run's metrics hold each step once, with validation at 0, 6 and 12.
+    assert [r["step"] for r in read_metrics(tmp_path / "cut") if "val_loss" in r] == [0, 6, 12]
+
+
+def test_loss_falls_and_run_dir_is_never_overwritten(tmp_path, fast_recipe):
+    recipe = fast_recipe(**{"optim.max_steps": 30, "logging.eval_interval": 30, "logging.ckpt_interval": 10,
+                            "logging.keep_last": 2})
+    result = Trainer(recipe, run_dir=tmp_path, progress=False).fit()
+    vals = [r["val_loss"] for r in read_metrics(tmp_path) if "val_loss" in r]
+    assert vals[0] > math.log(512) - 0.5  # untrained: about ln(vocab)
+    assert vals[-1] < vals[0] - 0.5, vals  # measured here: 6.28 -> 5.41 after 30 steps
+    assert [p.name for p in result.checkpoints] == ["step_20", "step_30"]  # keep_last 2
+    assert (tmp_path / "plots" / "loss.png").stat().st_size > 0
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(RunDirError, match="resume-from auto"):
+        Trainer(recipe, run_dir=tmp_path, progress=False)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_half_written_and_corrupt_checkpoints(tmp_path, fast_recipe):
+    recipe = fast_recipe(**{"optim.max_steps": 6, "logging.ckpt_interval": 3})
+    Trainer(recipe, run_dir=tmp_path, progress=False).fit()
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in list_checkpoints(root)] == ["step_3", "step_6"]
+
+    # A save that died before its manifest: a step directory with data but no manifest.
+    half = root / "step_9"
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"partial")
+    with pytest.warns(UserWarning, match="step_9: incomplete checkpoint"):
+        assert latest_checkpoint(root) == root / "step_6"
+
+    # A flipped byte in the newest good checkpoint: named, and auto falls back to step_3.
+    shard = next((root / "step_6").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupt"):
+        verify_checkpoint(root / "step_6")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        Trainer(recipe, run_dir=tmp_path / "other", resume_from=root / "step_6", progress=False)
+    with pytest.warns(UserWarning):
+        trainer = Trainer(recipe, run_dir=tmp_path, resume_from="auto", progress=False)
+    assert trainer.step == 3
+
+
+def test_schedule_warmup_cosine_floor(fast_recipe):
+    cfg = fast_recipe(**{"optim.max_steps": 100, "optim.warmup_steps": 10, "optim.min_lr_ratio": 0.1}).optim
+    assert lr_factor(0, cfg) == pytest.approx(0.1)
+    assert lr_factor(9, cfg) == pytest.approx(1.0)
+    assert lr_factor(10, cfg) == pytest.approx(1.0)
+    assert lr_factor(55, cfg) == pytest.approx(0.55)  # halfway down the cosine: (1 + 0.1) / 2
+    assert lr_factor(100, cfg) == pytest.approx(0.1)
+    factors = [lr_factor(s, cfg) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(factors, factors[1:]))
+
+
+def test_cli_train_resume_appends_metrics(tmp_path, data_cache):
+    env = {**os.environ, "CANNTRAIN_CACHE": data_cache}
+    common = [sys.executable, "-m", "canntrain_core.cli", "train", str(TINY), "--run-dir", str(tmp_path),
+              "--no-progress", "--set", "data.max_bytes=300000", "--set", "data.tokenizer.vocab_size=512",
+              "--set", f"data.cache_dir={data_cache}", "--set", "data.seq_length=64",
+              "--set", "logging.log_interval=1", "--set", "logging.ckpt_interval=4"]
+    first = subprocess.run(common + ["--set", "optim.max_steps=4"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    refused = subprocess.run(common + ["--set", "optim.max_steps=8"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert refused.returncode == 2 and "already holds an earlier run (step_4)" in refused.stdout
+    again = subprocess.run(common + ["--set", "optim.max_steps=8", "--resume-from", "auto"],
+                           capture_output=True, text=True, env=env, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stdout and "step_4" in again.stdout
+    assert sorted(losses(tmp_path)) == list(range(1, 9))
+    bad = subprocess.run(common[:5] + ["--set", "optim.lrr=1"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "optim.lrr: unknown key" in bad.stderr
