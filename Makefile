@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(VENV)/bin/canntrain run cookbook/00_quickstart.ipynb --run-dir $(RUN_DIR)
 
 test: $(STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests cookbook --nbmake --nbmake-timeout=900 $(PYTEST_ARGS)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab cookbook
