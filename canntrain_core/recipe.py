@@ -43,7 +43,9 @@ class ModelConfig(_Section):
         Literal["rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy"],
         Literal["auto", "eager", "compile", "npu", "cuda"],
     ] = Field(default_factory=dict)
+    # none | selective (every other decoder layer recomputed) | full (every layer)
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    compile: bool = False  # torch.compile each decoder layer
 
     @field_validator("preset")
     @classmethod
@@ -132,6 +134,10 @@ class DistributedConfig(_Section):
     # ZeRO stage 0-3 (true means 3, i.e. FSDP full sharding; false means 0).
     zero_optimization: int = Field(0, ge=0, le=3)
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    # Seconds a collective may wait before the job fails (instead of hanging).
+    timeout_seconds: int = Field(600, gt=0)
+    # Tensor parallelism is all-reduce heavy: keep it inside a node unless told otherwise.
+    allow_cross_node_tp: bool = False
     # Micro-batches per pipeline step; None means grad_accum_steps (each accumulation step is one).
     num_microbatches: int | None = Field(None, gt=0)
 
@@ -167,7 +173,8 @@ class DistributedConfig(_Section):
 class LoggingConfig(_Section):
     log_interval: int = Field(10, gt=0)
     eval_interval: int = Field(50, gt=0)
-    eval_batches: int = Field(8, gt=0, description="validation micro-batches per evaluation")
+    # Validation set size in global batches (global_batch_size sequences each), whatever the layout.
+    eval_batches: int = Field(8, gt=0)
     ckpt_interval: int = Field(100, gt=0)
     keep_last: int = Field(3, gt=0)
 

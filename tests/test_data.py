@@ -224,14 +224,19 @@ def test_too_few_tokens_names_the_split(tmp_path):
     assert len(PackedDataset(path, "uint16", seq_length=3)) == 3
 
 
-def test_val_batches_are_fixed(bundle):
-    a = bundle.val_batches(3)
-    b = bundle.val_batches(3)
-    assert 1 <= len(a) <= 3
-    assert all(x.shape == (4, 33) for x in a)
+def test_val_batches_are_fixed_and_shard_by_rank(bundle):
+    a = bundle.val_batches(12, 4)
+    b = bundle.val_batches(12, 4)
+    assert len(a) == 3 and all(x.shape == (4, 33) for x in a)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert torch.equal(a[0][0], bundle.val[0])
-    assert len(bundle.val_batches(10_000)) == len(bundle.val) // 4
+    assert len(bundle.val_batches(10_000, 4)) == len(bundle.val) // 4
+    # Two data-parallel ranks evaluate disjoint halves of the same 12 samples.
+    r0, r1 = bundle.val_batches(12, 2, 0, 2), bundle.val_batches(12, 2, 1, 2)
+    got = sorted(tuple(x.tolist()) for batch in r0 + r1 for x in batch)
+    assert got == sorted(tuple(x.tolist()) for batch in a for x in batch)
+    with pytest.raises(DataError, match="fewer than one batch"):
+        bundle.val_batches(10_000, len(bundle.val) + 1)
 
 
 # ---------------------------------------------------------------------------- sampler

@@ -53,21 +53,25 @@ class DataBundle:
             drop_last=True,
         )
 
-    def val_batches(self, n: int) -> list[torch.Tensor]:
-        """The first `n` validation micro-batches in file order: the same tensors on every call.
+    def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[torch.Tensor]:
+        """This data-parallel rank's share of the first ``n_samples`` validation samples, in batches.
 
-        Each is [batch_size, seq_length+1]; fewer batches when val is small, and at least one
-        (a smaller one when val has fewer samples than batch_size).
+        The evaluated set depends only on ``n_samples`` (rounded down to whole batches on every
+        rank), not on the layout: rank r takes samples r, r + dp_size, ... So the mean over ranks
+        of their mean losses is the loss of one process evaluating the same set. Same tensors on
+        every call.
         """
         if self.val is None:
             raise DataError("no validation split: data.val_fraction is 0")
-        if n < 1:
-            raise ValueError(f"val_batches(n) needs n >= 1, got {n}")
-        bs = self.cfg.batch_size
-        n_full = len(self.val) // bs
-        if n_full == 0:
-            return [torch.stack([self.val[i] for i in range(len(self.val))])]
-        return [torch.stack([self.val[b * bs + j] for j in range(bs)]) for b in range(min(n, n_full))]
+        per_round = batch_size * dp_size
+        total = min(n_samples, len(self.val)) // per_round * per_round
+        if total == 0:
+            raise DataError(
+                f"the val split has {len(self.val)} samples, fewer than one batch on every rank "
+                f"({batch_size} x {dp_size}); raise data.max_bytes or data.val_fraction, or lower data.batch_size"
+            )
+        mine = range(dp_rank, total, dp_size)
+        return [torch.stack([self.val[i] for i in mine[k : k + batch_size]]) for k in range(0, len(mine), batch_size)]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no EOS appended; a literal <|endoftext|> in a prompt does become EOS,

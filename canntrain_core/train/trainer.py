@@ -1,22 +1,32 @@
-"""The training loop: one recipe, one model, one run directory. Read `fit` top to bottom."""
+"""The training loop: one recipe, one model, one run directory. Read `fit` top to bottom.
+
+The same loop runs single-process and under torchrun: the recipe's `distributed` section picks the
+mesh (pp, dp_replicate, dp_shard, cp, tp), `parallelize` applies it, and only rank 0 writes metrics.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from canntrain_core import checkpoint
 from canntrain_core.data import build_data
-from canntrain_core.models import build_model
-from canntrain_core.recipe import Recipe, save_resolved
+from canntrain_core.models import build_config, build_model
+from canntrain_core.models.lm import CausalLM
+from canntrain_core.parallel import parallelize
+from canntrain_core.parallel.clip import clip_grad_norm
+from canntrain_core.recipe import Recipe, RecipeError, save_resolved
 from canntrain_core.runtime import Accelerator, get_accelerator, seed_everything
-from canntrain_core.train.loss import causal_lm_loss, plain_cross_entropy
+from canntrain_core.runtime.distributed import ParallelDims, dp_coordinates, init_distributed, validate_layout
+from canntrain_core.train.loss import plain_cross_entropy
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
 from canntrain_core.viz.plots import plot_loss
@@ -45,6 +55,15 @@ def default_run_dir(recipe: Recipe) -> Path:
     return Path(recipe.experiment.output_dir) / f"{recipe.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _on_rank0(value):
+    """Rank 0's value of something each rank computed (a timestamped path, say)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class Trainer:
     """Builds data, model, optimizer and schedule from a recipe and trains them in `fit`.
 
@@ -60,31 +79,48 @@ class Trainer:
         accelerator: Accelerator | None = None,
         progress: bool = True,
     ):
-        self.recipe = recipe
+        self.recipe = r = recipe
         self.acc = accelerator or get_accelerator()
-        self.run_dir = Path(run_dir) if run_dir else default_run_dir(recipe)
+        m, d = r.model, r.distributed
+        validate_layout(d, build_config(m.preset, m.overrides, r.data.tokenizer.vocab_size),
+                        int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
+        if m.precision == "fp16" and d.pipeline_parallel_size > 1:
+            raise RecipeError("model.precision=fp16 with pipeline parallel is not supported; use bf16")
+        init_distributed(self.acc, d)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dims = ParallelDims.from_recipe(d)
+        self.mesh = self.dims.build_mesh(self.acc.type)
+        self.run_dir = Path(_on_rank0(str(run_dir or default_run_dir(r))))
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.progress = progress
-        resume_path = self._resume_path(resume_from if resume_from is not None else recipe.resume_from)
+        self.progress = progress and self.rank == 0
+        resume_path = self._resume_path(resume_from if resume_from is not None else r.resume_from)
+        if dist.is_initialized():
+            dist.barrier()  # every rank has looked at the run directory before rank 0 writes to it
 
-        seed_everything(recipe.experiment.seed)
-        self.data = build_data(recipe.data, seed=recipe.experiment.seed)
-        m = recipe.model
-        self.model = build_model(m.preset, m.overrides, self.data.vocab_size, recipe.experiment.seed, self.acc.device)
-        self.cross_entropy = plain_cross_entropy
-        self.optimizer = build_optimizer(self.model, recipe.optim)
-        self.scheduler = build_scheduler(self.optimizer, recipe.optim)
+        seed_everything(r.experiment.seed)
+        self.dp = dp_coordinates(self.mesh, self.dims)  # (data-parallel rank, size)
+        self.data = build_data(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1])
+        hf_model = build_model(m.preset, m.overrides, self.data.vocab_size, r.experiment.seed, self.acc.device)
+        self.model = CausalLM(hf_model, plain_cross_entropy)
+        self.model_config = hf_model.config
+        self.schedule = parallelize(self.model, self.mesh, self.dims, r, self.acc.device)
+        self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        self.has_loss = self.dims.pp == 1 or self.mesh.get_local_rank("pp") == self.dims.pp - 1
+        self.optimizer = build_optimizer(self.model, r.optim)
+        self.scheduler = build_scheduler(self.optimizer, r.optim)
         # Loss scaling only for fp16; bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(self.acc.type, enabled=m.precision == "fp16")
         self.step = 0
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_path is not None:
             self._load(resume_path)
-        else:
+        elif self.rank == 0:
             self.metrics.truncate_after(-1)  # resume_from=auto found nothing: a fresh start
-        save_resolved(recipe, self.run_dir)
+        if self.rank == 0:
+            save_resolved(r, self.run_dir)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, stop_after: int | None = None) -> RunResult:
@@ -92,13 +128,16 @@ class Trainer:
         as a preempted job would, leaving the schedule set for max_steps so a resume continues it."""
         r, acc, model = self.recipe, self.acc, self.model
         accum, max_steps = r.optim.grad_accum_steps, r.optim.max_steps
-        tokens_per_step = r.data.batch_size * r.data.seq_length * accum  # this device's share
-        flops_step = flops_per_token(model.config, r.data.seq_length) * tokens_per_step
+        # Tokens this device trains on per step: its data-parallel share, split over tp/pp/cp.
+        tokens_per_step = r.data.batch_size * r.data.seq_length * accum / self.dims.non_data_parallel
+        flops_step = flops_per_token(self.model_config, r.data.seq_length) * tokens_per_step
         peak, _ = peak_flops(acc, r.model.precision)
         train_iter = iter(self.data.train_loader())
-        val_batches = self.data.val_batches(r.logging.eval_batches)
+        # eval_batches global batches, each rank its share; a pipeline evaluates a step's worth at once.
+        val_per_batch = r.data.batch_size * (accum if self.schedule is not None else 1)
+        val_batches = self.data.val_batches(r.logging.eval_batches * r.global_batch_size, val_per_batch, *self.dp)
         if self.step == 0:
-            self.metrics.write({"step": 0, **self.evaluate(val_batches)})
+            self._write({"step": 0, **self.evaluate(val_batches)})
 
         bar = tqdm(total=max_steps, initial=self.step, desc=r.experiment.name, disable=not self.progress)
         acc.reset_peak_memory()
@@ -106,19 +145,13 @@ class Trainer:
         while self.step < max_steps:
             model.train()
             lr = self.scheduler.get_last_lr()[0]
-            loss_sum = torch.zeros((), device=acc.device)
+            micro_batches = []
             for _ in range(accum):
-                batch = next(train_iter)
-                self.data.sampler.advance(len(batch))
-                batch = batch.to(acc.device, non_blocking=True)
-                with acc.autocast(r.model.precision):
-                    loss = causal_lm_loss(model, batch[:, :-1], batch[:, 1:], self.cross_entropy)
-                # Each micro-batch holds the same number of tokens, so the mean of micro-batch
-                # means is the mean over the whole accumulated batch.
-                self.scaler.scale(loss / accum).backward()
-                loss_sum += loss.detach()
+                micro_batches.append(next(train_iter))
+                self.data.sampler.advance(len(micro_batches[-1]))
+            loss = self.train_step([b.to(acc.device, non_blocking=True) for b in micro_batches])
             self.scaler.unscale_(self.optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), r.optim.grad_clip or math.inf)
+            grad_norm = clip_grad_norm(model.parameters(), r.optim.grad_clip, self.pp_group)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.scheduler.step()
@@ -132,7 +165,7 @@ class Trainer:
                 acc.synchronize()
                 dt = (time.perf_counter() - window_start) / window_steps
                 record = {
-                    "loss": (loss_sum / accum).item(),
+                    "loss": self._mean_over_ranks(loss),
                     "grad_norm": grad_norm.item(),
                     "lr": lr,
                     "tokens_per_second": tokens_per_step / dt,
@@ -145,7 +178,7 @@ class Trainer:
             if self.step % r.logging.eval_interval == 0 or self.step == max_steps:
                 record.update(self.evaluate(val_batches))
             if record:
-                self.metrics.write({"step": self.step, **record})
+                self._write({"step": self.step, **record})
             if self.step % r.logging.ckpt_interval == 0 or self.step in (max_steps, stop_after):
                 self.save()
             if self.step == stop_after:
@@ -153,20 +186,64 @@ class Trainer:
             if record:  # evaluation and checkpoint time is not training throughput
                 window_start, window_steps = time.perf_counter(), 0
         bar.close()
-        plot_loss([self.run_dir], self.run_dir / "plots" / "loss.png")
+        if self.rank == 0:
+            plot_loss([self.run_dir], self.run_dir / "plots" / "loss.png")
         return self.result()
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward over one optimizer step's micro-batches; returns the mean loss
+        (zero on pipeline stages without the head)."""
+        acc, precision = self.acc, self.recipe.model.precision
+        if self.schedule is not None:
+            batch = torch.cat(micro_batches)  # the schedule splits it into its micro-batches again
+            with acc.autocast(precision):
+                return self._pipeline(self.schedule.step, batch)
+        loss_sum = torch.zeros((), device=acc.device)
+        for batch in micro_batches:
+            with acc.autocast(precision):
+                loss = self.model(batch[:, :-1], batch[:, 1:])
+            # Each micro-batch holds the same number of tokens, so the mean of micro-batch
+            # means is the mean over the whole accumulated batch.
+            self.scaler.scale(loss / len(micro_batches)).backward()
+            loss_sum += loss.detach()
+        return loss_sum / len(micro_batches)
+
+    def _pipeline(self, run, batch: torch.Tensor) -> torch.Tensor:
+        """One schedule.step / schedule.eval: the first stage feeds inputs, the last gets targets."""
+        stage = self.mesh.get_local_rank("pp")
+        first, last = stage == 0, stage == self.dims.pp - 1
+        losses: list[torch.Tensor] = []
+        args = (batch[:, :-1],) if first else ()
+        kwargs = {"target": batch[:, 1:], "losses": losses} if last else {}
+        run(*args, **kwargs)
+        return torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.acc.device)
+
+    def _mean_over_ranks(self, loss: torch.Tensor) -> float:
+        """The loss averaged over data-parallel ranks (tp ranks hold copies; only the last pp stage has one)."""
+        if not dist.is_initialized():
+            return loss.item()
+        total = (loss if self.has_loss else torch.zeros_like(loss)).detach().float().clone()
+        dist.all_reduce(total)
+        return (total / (dist.get_world_size() // self.dims.pp)).item()
 
     # ------------------------------------------------------------------ pieces
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> dict[str, float]:
         self.model.eval()
-        total = 0.0
+        losses = []
         for batch in batches:
             batch = batch.to(self.acc.device)
             with self.acc.autocast(self.recipe.model.precision):
-                total += causal_lm_loss(self.model, batch[:, :-1], batch[:, 1:], self.cross_entropy).item()
-        val_loss = total / len(batches)
+                if self.schedule is not None:
+                    losses.append(self._pipeline(self.schedule.eval, batch))
+                else:
+                    losses.append(self.model(batch[:, :-1], batch[:, 1:]))
+        val_loss = self._mean_over_ranks(torch.stack(losses).mean())
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.rank == 0:
+            self.metrics.write(record)
 
     def save(self) -> Path:
         state = {
@@ -188,8 +265,9 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.data.sampler.load_state_dict(state["sampler"])
         self.acc.set_rng_state(state["rng"])
-        self.metrics.truncate_after(self.step)
-        print(f"resumed from {path} at step {self.step}")
+        if self.rank == 0:
+            self.metrics.truncate_after(self.step)
+            print(f"resumed from {path} at step {self.step}")
 
     def _resume_path(self, resume_from: str | Path | None) -> Path | None:
         existing = checkpoint.list_checkpoints(self.ckpt_root)
@@ -203,7 +281,7 @@ class Trainer:
             return None
         if str(resume_from) == "auto":
             path = checkpoint.latest_checkpoint(self.ckpt_root)
-            if path is None:
+            if path is None and self.rank == 0:
                 print(f"resume_from=auto: no complete checkpoint in {self.ckpt_root}; starting fresh")
             return path
         path = Path(resume_from)

@@ -1,0 +1,52 @@
+"""CausalLM: runs a transformers Llama's parts (embed -> layers -> norm -> head -> loss) itself.
+
+Why not call LlamaForCausalLM.forward? Three reasons, all from parallel training:
+- FSDP2 and DDP hook the *root* module's forward, so the loss must be computed inside it;
+- a pipeline stage keeps only its own layers (a ModuleDict keyed by the original index, so
+  parameter names, and with them checkpoints, are the same on every layout);
+- the loss takes final hidden states and the head's weight, so a chunked cross-entropy never
+  materialises the full fp32 logits.
+Parameter names equal transformers' (``model.layers.3.mlp.up_proj.weight``, ``lm_head.weight``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from canntrain_core.train.loss import plain_cross_entropy
+
+
+class CausalLM(nn.Module):
+    def __init__(self, hf_model: nn.Module, cross_entropy: Callable = plain_cross_entropy):
+        super().__init__()
+        self.config = hf_model.config
+        self.model = hf_model.model  # LlamaModel: embed_tokens, layers, norm, rotary_emb
+        self.lm_head = hf_model.lm_head
+        self.cross_entropy = cross_entropy
+
+    def layers(self):
+        layers = self.model.layers
+        return layers.values() if isinstance(layers, nn.ModuleDict) else layers
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (or, on a later pipeline stage, hidden states) in; loss, logits or hidden states out.
+
+        With ``targets``: the mean next-token loss. Without: logits, or hidden states when this
+        module is a pipeline stage without the head.
+        """
+        m = self.model
+        h = m.embed_tokens(x) if m.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rope = m.rotary_emb(h, position_ids=positions)
+        for layer in self.layers():
+            # attention_mask=None: SDPA applies the causal mask itself (no padding in packed data).
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+        if self.lm_head is None:
+            return h
+        h = m.norm(h)
+        if targets is None:
+            return self.lm_head(h)
+        return self.cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())

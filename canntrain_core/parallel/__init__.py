@@ -1,0 +1,36 @@
+"""parallelize: apply a recipe's layout to a CausalLM in torchtitan's order.
+
+PP split -> tensor parallel -> activation recompute -> torch.compile -> FSDP2 / DDP.
+Returns the pipeline schedule when pipeline parallel is on, else None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from canntrain_core.parallel.data_parallel import apply_ddp, apply_fsdp
+from canntrain_core.parallel.pp import build_schedule, split_stage
+from canntrain_core.parallel.recompute import apply_recompute
+from canntrain_core.parallel.tp import apply_tp
+
+
+def parallelize(model, mesh, dims, recipe, device: torch.device):
+    names = mesh.mesh_dim_names if mesh is not None else ()
+    if dims.pp > 1:
+        split_stage(model, mesh.get_local_rank("pp"), dims.pp)
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"])
+    apply_recompute(model, recipe.model.activation_checkpointing)
+    if recipe.model.compile:
+        for layer in model.layers():
+            layer.compile()
+    if dims.dp_shard > 1:
+        dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
+        apply_fsdp(model, mesh[dp_names], recipe.distributed.zero_optimization)
+    elif dims.dp_replicate > 1:
+        apply_ddp(model, mesh["dp_replicate"])
+    if dims.pp > 1:
+        d = recipe.distributed
+        micro = d.num_microbatches or recipe.optim.grad_accum_steps
+        return build_schedule(model, mesh["pp"], device, d.pipeline_schedule, micro)
+    return None

@@ -1,0 +1,110 @@
+"""Process groups and the named DeviceMesh built from a recipe's `distributed` section.
+
+Mesh dimensions, outermost first, as torchtitan names them: pp, dp_replicate, dp_shard, cp, tp.
+Data parallelism is `dp_replicate` (plain DDP, zero_optimization 0) or `dp_shard` (FSDP2,
+zero_optimization 1-3). Only dimensions larger than one are built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from canntrain_core.recipe import DistributedConfig, RecipeError
+from canntrain_core.runtime.accelerator import Accelerator
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+
+    @classmethod
+    def from_recipe(cls, d: DistributedConfig) -> "ParallelDims":
+        shard = d.data_parallel_size if d.zero_optimization > 0 else 1
+        return cls(pp=d.pipeline_parallel_size, dp_replicate=d.data_parallel_size // shard, dp_shard=shard,
+                   cp=d.context_parallel_size, tp=d.tensor_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def non_data_parallel(self) -> int:
+        """Devices that share one data-parallel sample: throughput per device divides by this."""
+        return self.pp * self.cp * self.tp
+
+    def named_sizes(self) -> list[tuple[str, int]]:
+        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                ("cp", self.cp), ("tp", self.tp)]
+        return [(n, s) for n, s in dims if s > 1]
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        named = self.named_sizes()
+        if not named:
+            return None
+        names, sizes = zip(*named)
+        return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+
+
+def validate_layout(d: DistributedConfig, model_config, devices_per_node: int | None = None) -> None:
+    """Reject layouts the model or the machine cannot run, naming the recipe key."""
+    tp, pp = d.tensor_parallel_size, d.pipeline_parallel_size
+    problems = []
+    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        n = getattr(model_config, attr)
+        if n % tp:
+            problems.append(f"distributed.tensor_parallel_size={tp} must divide the model's {attr}={n}")
+    if pp > model_config.num_hidden_layers:
+        problems.append(f"distributed.pipeline_parallel_size={pp} exceeds the model's "
+                        f"{model_config.num_hidden_layers} layers")
+    if devices_per_node and tp > devices_per_node and not d.allow_cross_node_tp:
+        problems.append(f"distributed.tensor_parallel_size={tp} spans nodes of {devices_per_node} devices; "
+                        "TP's all-reduces need the intra-node links (set distributed.allow_cross_node_tp to force)")
+    if d.context_parallel_size > 1:
+        problems.append("distributed.context_parallel_size > 1 is estimated by the memory planner but not run "
+                        "by the trainer yet (torch's context_parallel needs SDPA flash/efficient kernels)")
+    if d.zero_optimization == 0 and d.data_parallel_size > 1 and (tp > 1 or pp > 1):
+        problems.append("distributed.zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported; "
+                        "use zero_optimization >= 1 (FSDP2)")
+    if problems:
+        raise RecipeError("invalid parallel layout:\n  " + "\n  ".join(problems))
+
+
+def init_distributed(acc: Accelerator, d: DistributedConfig) -> int:
+    """Join the torchrun job (if any); return the world size. Checks it against the recipe."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != d.world_size:
+        raise RecipeError(
+            f"distributed.world_size={d.world_size} but this job has {world} process(es) "
+            f"(WORLD_SIZE); launch with --nproc_per_node/--nnodes to match, or --set distributed.world_size={world}"
+        )
+    if world > 1 and not dist.is_initialized():
+        acc.set_device()
+        dist.init_process_group(backend=acc.backend, timeout=timedelta(seconds=d.timeout_seconds))
+    return world
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def dp_coordinates(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) of this process: which share of each batch it loads."""
+    if mesh is None or dims.dp == 1:
+        return 0, 1
+    names = mesh.mesh_dim_names
+    r = mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
+    s = mesh.get_local_rank("dp_shard") if "dp_shard" in names else 0
+    return r * dims.dp_shard + s, dims.dp
