@@ -69,3 +69,18 @@ def test_failing_cell_is_named(tmp_path):
     assert proc.returncode != 0
     assert "ValueError: the data path is wrong" in proc.stderr
     assert "cell" in proc.stderr and str(tmp_path / "out" / "broken.ipynb") in proc.stderr
+
+
+def test_notebook_runs_once_per_rank_under_torchrun(tmp_path):
+    run_dir = tmp_path / "ranks"
+    proc = _canntrain("run", "cookbook/00_quickstart.ipynb", "--nproc_per_node", "2", "--run-dir", str(run_dir),
+                      "-p", "max_steps", "4",
+                      "-p", "overrides", "{distributed.world_size: 2, distributed.data_parallel_size: 2, "
+                      "data.batch_size: 4, logging.log_interval: 1, logging.eval_batches: 1}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "00_quickstart.ipynb").is_file() and (run_dir / "ranks" / "rank1.ipynb").is_file()
+    rows = read_metrics(run_dir)  # written once, by rank 0, for the two-rank job
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    rank1 = nbformat.read(run_dir / "ranks" / "rank1.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for c in rank1.cells if c.cell_type == "code" for o in c.outputs)
+    assert "world 2 = tp 1 x pp 1 x dp 2" in printed

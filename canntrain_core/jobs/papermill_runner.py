@@ -23,31 +23,64 @@ def parse_parameter(raw: str) -> Any:
         return raw
 
 
-def run_notebook(notebook: str | Path, run_dir: str | Path | None = None,
-                 parameters: dict[str, Any] | None = None, progress: bool = True) -> Path:
-    """Execute ``notebook`` with papermill; return the path of the executed copy.
+def default_run_dir(notebook: Path) -> Path:
+    return Path("runs") / f"{notebook.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
-    The notebook runs with its own folder as working directory (as in JupyterLab) and receives
-    ``run_dir`` as a parameter, so everything it writes lands next to the executed notebook.
-    """
+
+def execute(notebook: str | Path, out: str | Path, parameters: dict[str, Any], progress: bool = True) -> Path:
+    """Execute ``notebook`` into ``out`` with papermill, in the notebook's own folder (as JupyterLab does)."""
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
-    nb = Path(notebook).resolve()
-    if not nb.is_file():
-        raise FileNotFoundError(f"{notebook}: no such notebook")
-    run_dir = Path(run_dir or Path("runs") / f"{nb.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    params = {"run_dir": str(run_dir), **(parameters or {})}
-    out = run_dir / nb.name
+    nb, out = Path(notebook).resolve(), Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        pm.execute_notebook(str(nb), str(out), parameters=params, cwd=str(nb.parent), progress_bar=progress)
+        pm.execute_notebook(str(nb), str(out), parameters=parameters, cwd=str(nb.parent), progress_bar=progress)
     except PapermillExecutionError as e:
         raise NotebookFailed(
             f"{nb.name}: cell {e.cell_index} (execution count {e.exec_count}) raised {e.ename}: {e.evalue}\n"
             f"  the executed notebook with the full traceback: {out}"
         ) from None
     return out
+
+
+def run_notebook(notebook: str | Path, run_dir: str | Path | None = None,
+                 parameters: dict[str, Any] | None = None, progress: bool = True) -> Path:
+    """Execute ``notebook`` in this process; return the path of the executed copy in the run directory.
+
+    The notebook receives ``run_dir`` as a parameter, so everything it writes lands next to it.
+    """
+    nb = Path(notebook).resolve()
+    if not nb.is_file():
+        raise FileNotFoundError(f"{notebook}: no such notebook")
+    run_dir = Path(run_dir or default_run_dir(nb)).resolve()
+    return execute(nb, run_dir / nb.name, {"run_dir": str(run_dir), **(parameters or {})}, progress)
+
+
+def run_notebook_ranks(notebook: str | Path, nproc_per_node: int, run_dir: str | Path | None = None,
+                       parameters: dict[str, Any] | None = None, torchrun_args: list[str] | None = None) -> Path:
+    """Execute ``notebook`` once per rank under torchrun; return rank 0's executed copy.
+
+    ``torchrun_args`` carries multi-node options (--nnodes, --node_rank, --master_addr, --master_port);
+    without them the job is single-node (--standalone).
+    """
+    import json
+    import subprocess
+    import sys
+
+    nb = Path(notebook).resolve()
+    if not nb.is_file():
+        raise FileNotFoundError(f"{notebook}: no such notebook")
+    run_dir = Path(run_dir or default_run_dir(nb)).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch = torchrun_args or ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc_per_node}",
+           "-m", "canntrain_core.jobs.rank_notebook", str(nb), str(run_dir), json.dumps(parameters or {})]
+    proc = subprocess.run(cmd)
+    if proc.returncode != 0:
+        raise NotebookFailed(f"{nb.name}: the per-rank job failed (exit {proc.returncode}); "
+                             f"torchrun's summary above names the rank, executed notebooks are in {run_dir}")
+    return run_dir / nb.name
 
 
 def describe_run(run_dir: str | Path) -> str:

@@ -8,7 +8,11 @@ import torch
 @torch.no_grad()
 def sample_text(model, data, prompt: str = "def ", max_new_tokens: int = 64, temperature: float = 0.8,
                 top_k: int = 50, seed: int = 0) -> str:
-    """Continue ``prompt`` with top-k sampling; ``data`` is the DataBundle whose tokenizer trained the model."""
+    """Continue ``prompt`` with top-k sampling.
+
+    ``model`` is a CausalLM (or anything mapping token ids to logits); ``data`` is the DataBundle
+    whose tokenizer trained it. No KV cache: a few dozen tokens from a tiny model need none.
+    """
     device = next(model.parameters()).device
     ids = torch.tensor([data.encode(prompt)], device=device)
     was_training = model.training
@@ -16,7 +20,7 @@ def sample_text(model, data, prompt: str = "def ", max_new_tokens: int = 64, tem
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for _ in range(max_new_tokens):
-            logits = model(input_ids=ids, use_cache=False).logits[:, -1, :] / temperature
+            logits = model(ids)[:, -1, :].float() / temperature
             top = torch.topk(logits, top_k)
             choice = torch.multinomial(torch.softmax(top.values, dim=-1), 1)
             ids = torch.cat([ids, top.indices.gather(-1, choice)], dim=1)
