@@ -108,3 +108,17 @@ def dp_coordinates(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, in
     r = mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
     s = mesh.get_local_rank("dp_shard") if "dp_shard" in names else 0
     return r * dims.dp_shard + s, dims.dp
+
+
+def rank_coordinates(dims: ParallelDims) -> list[dict[str, int]]:
+    """Each global rank's position on every mesh dimension (init_device_mesh lays ranks out row-major)."""
+    names = ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+    sizes = [dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp]
+    rows = []
+    for rank in range(dims.world_size):
+        coords, rest = {}, rank
+        for name, size in zip(reversed(names), reversed(sizes)):
+            coords[name] = rest % size
+            rest //= size
+        rows.append({"rank": rank, **{n: coords[n] for n in names}})
+    return rows

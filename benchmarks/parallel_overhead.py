@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Throughput of each parallel layout on this machine, and its traffic: measured vs estimated.
+
+    python benchmarks/parallel_overhead.py [--nproc 2] [--steps 12]
+
+Every layout trains the tiny recipe (global batch 8 x 128 tokens, fp32, gloo) in one torchrun
+launch. Traffic is *measured* as bytes sent over the loopback interface (/proc/net/dev, `lo`: gloo
+talks TCP there), taking the difference between a run of --steps and one of --steps/3 so set-up,
+evaluation and checkpoint traffic cancel; it includes TCP/IP headers (a few %). The *estimate* is
+canntrain_core.parallel.comm.comm_per_step. Not a test: numbers vary by machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "cookbook" / "llama" / "configs" / "tiny_pretrain.yaml"
+BASE = {"data.batch_size": 8, "logging.log_interval": 1, "logging.eval_interval": 10**6,
+        "logging.ckpt_interval": 10**6, "logging.eval_batches": 1, "optim.warmup_steps": 2}
+LAYOUTS = {
+    "dp2": {"distributed.data_parallel_size": 2, "data.batch_size": 4},
+    "fsdp2": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4},
+    "tp2": {"distributed.tensor_parallel_size": 2},
+    "pp2_1f1b": {"distributed.pipeline_parallel_size": 2, "data.batch_size": 4, "optim.grad_accum_steps": 2},
+}
+
+
+def lo_tx_bytes() -> int:
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        if line.strip().startswith("lo:"):
+            return int(line.split(":")[1].split()[8])
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def worker(out: str, steps: int) -> None:
+    import torch.distributed as dist
+
+    from canntrain_core.recipe import load_recipe
+    from canntrain_core.train.metrics import read_metrics
+    from canntrain_core.train.trainer import Trainer
+
+    world = int(os.environ["WORLD_SIZE"])
+    results = {}
+    for name, overrides in LAYOUTS.items():
+        traffic = {}
+        for n in (steps // 3, steps):
+            recipe = load_recipe(RECIPE, {**BASE, "optim.max_steps": n, "distributed.world_size": world, **overrides})
+            trainer = Trainer(recipe, run_dir=Path(out) / f"{name}_{n}", progress=False)
+            dist.barrier()
+            before = lo_tx_bytes()
+            trainer.fit()
+            dist.barrier()
+            traffic[n] = lo_tx_bytes() - before
+        rows = [r for r in read_metrics(Path(out) / f"{name}_{steps}") if "loss" in r][2:]
+        results[name] = {"tokens_per_second": sum(r["tokens_per_second"] for r in rows) / len(rows),
+                         "bytes_per_step": (traffic[steps] - traffic[steps // 3]) / (steps - steps // 3),
+                         "recipe": overrides}
+    if dist.get_rank() == 0:
+        (Path(out) / "results.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import subprocess
+
+    import torch
+
+    from canntrain_core.models import build_config
+    from canntrain_core.parallel.comm import comm_per_step
+    from canntrain_core.recipe import load_recipe
+    from canntrain_core.runtime.distributed import ParallelDims
+    from canntrain_core.train.metrics import read_metrics
+    from canntrain_core.train.trainer import Trainer
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    a = p.parse_args()
+    out = tempfile.mkdtemp(prefix="parallel-overhead-")
+    single = load_recipe(RECIPE, {**BASE, "optim.max_steps": a.steps})
+    Trainer(single, run_dir=Path(out) / "single", progress=False).fit()
+    rows = [r for r in read_metrics(Path(out) / "single") if "loss" in r][2:]
+    single_tps = sum(r["tokens_per_second"] for r in rows) / len(rows)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
+                    __file__, "--worker", out, str(a.steps)], check=True)
+    results = json.loads((Path(out) / "results.json").read_text())
+
+    print(f"torch {torch.__version__}, gloo, {a.nproc} processes on {os.cpu_count()} cores, tiny Llama fp32, "
+          f"global batch 8 x 128 tokens\n")
+    print("| layout | tokens/s per device | vs 1 process | bytes/step measured (all ranks) | estimated | ratio |")
+    print("|---|---|---|---|---|---|")
+    print(f"| single | {single_tps:,.0f} | 1.00 | 0 | 0 | |")
+    for name, res in results.items():
+        recipe = load_recipe(RECIPE, {**BASE, "distributed.world_size": a.nproc, **res["recipe"]})
+        config = build_config(recipe.model.preset, recipe.model.overrides, recipe.data.tokenizer.vocab_size)
+        est = a.nproc * sum(r["bytes"] for r in comm_per_step(
+            config, ParallelDims.from_recipe(recipe.distributed), recipe.data.batch_size, recipe.data.seq_length,
+            recipe.optim.grad_accum_steps, recipe.distributed.zero_optimization, backend="gloo"))
+        measured = res["bytes_per_step"]
+        print(f"| {name} | {res['tokens_per_second']:,.0f} | {res['tokens_per_second'] / single_tps:.2f} | "
+              f"{measured / 2**20:.1f} MiB | {est / 2**20:.1f} MiB | {measured / est:.2f} |")
+    (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
+    (ROOT / "benchmarks" / "out" / "parallel_overhead.json").write_text(
+        json.dumps({"single_tokens_per_second": single_tps, "layouts": results}, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]))
+    else:
+        main()
