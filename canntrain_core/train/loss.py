@@ -1,21 +1,18 @@
-"""The language-model loss, owned here (not inside transformers) so a fused kernel can replace it."""
+"""The language-model loss, owned here (not inside transformers) so a fused kernel can replace it.
+
+The cross-entropy ops take final hidden states [N, h], the output projection [V, h] and targets [N];
+``kernels.reference.plain_cross_entropy`` is the definition, kernels' chunked one never builds the
+full fp32 logits. The loss itself is computed by CausalLM's forward (see models/lm.py).
+"""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from kernels.reference import plain_cross_entropy
 
 
-def plain_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss from final hidden states [N, h], the output projection [V, h] and targets [N].
+def causal_lm_loss(model, input_ids, targets, cross_entropy=plain_cross_entropy):
+    """Mean next-token loss of a transformers *ForCausalLM on already-shifted targets
+    (targets[t] = input_ids[t+1]); the same computation the trainer's CausalLM runs."""
+    from canntrain_core.models.lm import CausalLM
 
-    Materialises the full [N, V] logits in fp32; kernels' chunked cross_entropy has the same signature.
-    """
-    logits = hidden @ weight.t()
-    return F.cross_entropy(logits.float(), targets)
-
-
-def causal_lm_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, cross_entropy=plain_cross_entropy):
-    """Loss of a transformers *ForCausalLM on already-shifted targets (targets[t] = input_ids[t+1])."""
-    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
-    return cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, targets.flatten())
+    return CausalLM(model, cross_entropy)(input_ids, targets)

@@ -20,13 +20,13 @@ from tqdm.auto import tqdm
 from canntrain_core import checkpoint
 from canntrain_core.data import build_data
 from canntrain_core.models import build_config, build_model
+from canntrain_core.models.fused import apply_kernels, loss_cross_entropy
 from canntrain_core.models.lm import CausalLM
 from canntrain_core.parallel import parallelize
 from canntrain_core.parallel.clip import clip_grad_norm
 from canntrain_core.recipe import Recipe, RecipeError, save_resolved
 from canntrain_core.runtime import Accelerator, get_accelerator, seed_everything
 from canntrain_core.runtime.distributed import ParallelDims, dp_coordinates, init_distributed, validate_layout
-from canntrain_core.train.loss import plain_cross_entropy
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
 from canntrain_core.viz.plots import plot_loss
@@ -101,7 +101,10 @@ class Trainer:
         self.dp = dp_coordinates(self.mesh, self.dims)  # (data-parallel rank, size)
         self.data = build_data(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1])
         hf_model = build_model(m.preset, m.overrides, self.data.vocab_size, r.experiment.seed, self.acc.device)
-        self.model = CausalLM(hf_model, plain_cross_entropy)
+        if m.kernels != "eager" or m.kernel_overrides:
+            # kernels: eager keeps transformers' own modules (the registry's eager ops compute the same).
+            apply_kernels(hf_model, m, device=self.acc.type)
+        self.model = CausalLM(hf_model, loss_cross_entropy(m, device=self.acc.type))
         self.model_config = hf_model.config
         self.schedule = parallelize(self.model, self.mesh, self.dims, r, self.acc.device)
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
