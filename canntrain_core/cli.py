@@ -12,6 +12,9 @@ from canntrain_core.recipe import RecipeError
 COMMAND_MODULES = [
     "canntrain_core.train.cli",  # train
     "canntrain_core.jobs.cli",  # run (notebooks headless)
+    "canntrain_core.memory.cli",
+    "kernels.cli",
+    "canntrain_core.jobs.launch_cli",
 ]
 
 

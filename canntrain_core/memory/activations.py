@@ -1,0 +1,115 @@
+"""Saved-activation bytes of one transformer block, counted tensor by tensor.
+
+The counts follow what autograd keeps for the model code canntrain runs (transformers' Llama
+with sdpa, the loss in canntrain_core/train/loss.py), per token of one micro-batch:
+
+fp32 (no autocast), llama block::
+
+    norms    x, normalized n, weighted y (x3, twice)        24h + 8   (+8: two rsqrt values)
+    attn     q 4h, k 4kv, v 4kv, out 4h, logsumexp 4a       8h + 8kv + 4a
+    mlp      gate 4i, up 4i, silu 4i, silu*up 4i            16i
+
+bf16/fp16 under autocast: the residual stream and the RMSNorm math stay fp32 (x, n: 16h + 8);
+every linear saves its own 16-bit cast of its input (q, k, v: 3 x 2h; gate, up: 2 x 2h); attention
+and MLP tensors are 16-bit (4h + 4kv + 4a + 8i); and autocast's cached 16-bit copy of every weight
+matrix is saved for backward (2 bytes per weight, per micro-batch in flight).
+
+This is the same bookkeeping as the textbook s*b*h*(34 + 5*a*s/h) (Korthikanti et al. 2022) for a
+GPT block in 16-bit with dropout; for llama with flash attention there is no a*s^2 term. With
+tensor parallel and sequence parallel everything is divided by tp; without sequence parallel the
+norm/residual part and the linear-input casts stay whole on each rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canntrain_core.memory.setup import TrainSetup
+from canntrain_core.memory.shapes import ModelShape
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes one block keeps for backward for one micro-batch on one rank."""
+
+    tensors: int  # saved activations
+    weight_copies: int  # autocast's 16-bit weight copies (0 without autocast)
+
+    @property
+    def total(self) -> int:
+        return self.tensors + self.weight_copies
+
+
+def _per_token(shape: ModelShape, setup: TrainSetup) -> tuple[float, float]:
+    """(replicated, tp-sharded) bytes per token of one block, before recompute."""
+    h, i, kv, a = shape.hidden_size, shape.intermediate_size, shape.kv_size, shape.num_heads
+    half = setup.precision != "fp32" and setup.weights == "amp"
+    if shape.kind == "gpt":  # LayerNorm keeps mean and rstd; GELU keeps its input; no gate
+        mlp_fp32, mlp_half = 8 * i, 4 * i + 2 * i  # fc out, gelu out ; half: + cast of proj input
+    else:
+        mlp_fp32, mlp_half = 16 * i, 8 * i
+    if shape.kind == "moe":  # each token visits experts_per_token experts; router logits fp32
+        mlp_fp32 *= shape.experts_per_token
+        mlp_half *= shape.experts_per_token
+    if setup.precision == "fp32":
+        replicated = 24 * h + 8
+        sharded = 8 * h + 8 * kv + 4 * a + mlp_fp32
+    elif half:
+        replicated = 16 * h + 8 + 10 * h
+        sharded = 4 * h + 4 * kv + 4 * a + mlp_half
+    else:  # weights kept in 16-bit: everything 16-bit, no separate casts
+        replicated = 12 * h + 8
+        sharded = 4 * h + 4 * kv + 4 * a + mlp_half
+    if shape.kind == "moe":
+        sharded += 4 * shape.num_experts
+    if not setup.flash_attention:  # scores, softmax and its mask: 5*a*s bytes per token (16-bit)
+        sharded += 5 * a * setup.seq_length // setup.cp
+    return replicated, sharded
+
+
+def selective_saving(shape: ModelShape, setup: TrainSetup) -> float:
+    """Bytes per token that selective recompute does not keep (recomputed in backward).
+
+    canntrain's selective recompute keeps every matmul input and output and recomputes the cheap
+    element-wise ops: the MLP activation and its product with the up projection, and the attention
+    core (scores, when not flash) — the part Korthikanti et al. call selective.
+    """
+    i = shape.intermediate_size * (shape.experts_per_token if shape.kind == "moe" else 1)
+    width = 4 if setup.precision == "fp32" else 2
+    saved = 2 * width * i if shape.kind != "gpt" else width * i
+    if not setup.flash_attention:
+        saved += 5 * shape.num_heads * setup.seq_length // setup.cp
+    return saved
+
+
+def layer_activations(shape: ModelShape, setup: TrainSetup, recompute: str | None = None) -> LayerActivations:
+    """Saved bytes of one block for one micro-batch, for the given (or the setup's) recompute level."""
+    recompute = recompute or setup.recompute
+    tokens = setup.micro_batch * setup.seq_length // setup.cp
+    tp = setup.tp
+    h = shape.hidden_size
+    if recompute == "full":  # only the block input (fp32 residual stream, or 16-bit weights mode)
+        width = 2 if (setup.precision != "fp32" and setup.weights == "half") else 4
+        per_tok = width * h / (tp if setup.sequence_parallel else 1)
+        return LayerActivations(int(tokens * per_tok), 0)
+    replicated, sharded = _per_token(shape, setup)
+    if recompute == "selective":
+        sharded -= selective_saving(shape, setup)
+    per_tok = replicated / (tp if setup.sequence_parallel else 1) + sharded / tp
+    copies = 0
+    if setup.precision != "fp32" and setup.weights == "amp":
+        matrices = sum(o * i for _, o, i in shape.layer_matrices())
+        if shape.kind == "moe":
+            matrices = matrices // setup.ep  # local experts only
+        copies = 2 * matrices // tp
+    return LayerActivations(int(tokens * per_tok), copies)
+
+
+def recompute_transient(shape: ModelShape, setup: TrainSetup) -> int:
+    """Bytes a recomputed block needs again during its backward (one block's activations)."""
+    if setup.recompute == "none":
+        return 0
+    full = layer_activations(shape, setup, "none")
+    if setup.recompute == "full":
+        return full.total
+    return full.total - layer_activations(shape, setup, "selective").total

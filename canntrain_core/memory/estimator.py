@@ -1,0 +1,223 @@
+"""The analytic per-rank memory estimate: parameters, gradients, optimizer states, activations, ...
+
+How the peak is found: memory during one optimizer step is a few straight lines. It is largest
+either when the last forward ends (all activations alive, loss buffers at their peak), at the end of
+backward (all gradients written, the other in-flight micro-batches still alive), or in the optimizer
+step (gradients + states + the update's temporaries). :func:`estimate` evaluates all three and
+reports the categories at the largest. Pipeline ranks differ (the first stage holds the embedding
+and the most in-flight micro-batches, the last one the logits); the worst stage is reported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from canntrain_core.memory.activations import layer_activations, recompute_transient
+from canntrain_core.memory.setup import TrainSetup
+from canntrain_core.memory.shapes import ModelShape
+
+GiB = 1024**3
+GB = 1000**3
+
+# Categories, in the order tables show them.
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "optimizer_step_temporaries",
+    "activations",
+    "autocast_weight_copies",
+    "logits_loss",
+    "communication_buffers",
+    "fragmentation",
+)
+MODEL_STATES = ("parameters", "gradients", "optimizer_states")
+# Allocator slack on top of what tensors use (caching allocator block rounding and splitting);
+# an explicit, documented allowance instead of a hidden fudge factor. Not part of fake-mode peaks.
+FRAGMENTATION = 0.05
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP default bucket_cap_mb
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank bytes by category at the peak, plus host memory for offloaded optimizer states."""
+
+    categories: dict[str, int]
+    phase: str  # where the peak is: "forward", "backward_start", "backward_end" or "optimizer_step"
+    stage: str  # "only", "first" or "last" pipeline stage
+    host_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+    params_per_rank: int = 0
+    phases: dict[str, int] = field(default_factory=dict)
+    states: dict[str, int] = field(default_factory=dict)  # params, all grads, optimizer states (device)
+
+    @property
+    def total(self) -> int:
+        return sum(self.categories.values())
+
+    @property
+    def tracked_total(self) -> int:
+        """Total without the fragmentation allowance (what a tensor-level tracker can see)."""
+        return self.total - self.categories["fragmentation"]
+
+    @property
+    def model_states(self) -> int:
+        """Parameters + all gradients + device optimizer states (whatever phase the peak is in)."""
+        return sum(self.states.values())
+
+    def fits(self, capacity_bytes: float) -> bool:
+        return self.total <= capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"categories": dict(self.categories), "total": self.total, "phase": self.phase,
+                "stage": self.stage, "host_bytes": self.host_bytes, "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class _Stage:
+    name: str
+    layers: int
+    embedding: bool
+    head: bool
+    inflight: int  # micro-batches whose activations are alive at the end of the last forward
+
+
+def _stages(shape: ModelShape, s: TrainSetup) -> list[_Stage]:
+    per = math.ceil(shape.num_layers / s.pp)
+    if s.pp == 1:
+        return [_Stage("only", shape.num_layers, True, True, 1)]
+    m = s.microbatches
+    first_inflight = m if s.pipeline_schedule == "gpipe" else min(s.pp, m)
+    return [_Stage("first", per, True, False, first_inflight), _Stage("last", shape.num_layers - per * (s.pp - 1),
+                                                                      False, True, 1 if s.pipeline_schedule == "1f1b" else m)]
+
+
+def _trainable(shape: ModelShape, s: TrainSetup, matrices: list[tuple[str, int, int]]) -> list[int]:
+    """Per-rank element counts of the trainable tensors of one block, in registration order."""
+    if s.lora is not None:
+        return [s.lora.rank * (o + i) // s.tp for name, o, i in matrices if name in s.lora.targets]
+    return [o * i // s.tp for _, o, i in matrices] + [shape.layer_vectors()]
+
+
+def estimate(shape: ModelShape, s: TrainSetup, fragmentation: float = FRAGMENTATION) -> MemoryEstimate:
+    """Per-rank memory of training ``shape`` as laid out by ``s``; the worst pipeline stage."""
+    best: MemoryEstimate | None = None
+    for stage in _stages(shape, s):
+        est = _estimate_stage(shape, s, stage, fragmentation)
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -> MemoryEstimate:
+    notes: list[str] = []
+    tp, h, V = s.tp, shape.hidden_size, shape.vocab_size
+    shard = s.dp * s.cp  # ZeRO/FSDP shards over data (and context) parallel ranks
+    matrices = shape.layer_matrices()
+    if shape.kind == "moe":  # experts spread over ep (ZeRO then shards them over dp*cp like the rest: simplified)
+        dense = [m for m in matrices if not m[0].endswith("_proj") or m[0] in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        experts = [m for m in matrices if m not in dense]
+        matrices = dense + experts[: len(experts) // s.ep]
+    # ---- element counts per rank, before ZeRO
+    layer_elems = sum(o * i for _, o, i in matrices) // tp + shape.layer_vectors()
+    vtp = tp if s.vocab_parallel else 1
+    emb = shape.embedding_params() // vtp if st.embedding else 0
+    head = 0
+    if st.head:
+        head = shape.head_params() - (0 if shape.tie_embeddings else V * h) + (0 if shape.tie_embeddings else V * h // vtp)
+    elems = st.layers * layer_elems + emb + head
+    train_layer = _trainable(shape, s, matrices)
+    if s.lora is None:
+        trainable = elems
+        out_proj = 0 if shape.tie_embeddings else V * h // vtp
+        tensors = ([emb] if emb else []) + train_layer * st.layers + ([head - out_proj, out_proj] if head else [])
+    else:
+        trainable = st.layers * sum(train_layer)
+        tensors = train_layer * st.layers
+        notes.append(f"LoRA rank {s.lora.rank} on {', '.join(s.lora.targets)}: {trainable:,} trainable per rank")
+    # ---- bytes per element
+    half_w = s.precision != "fp32" and s.weights == "half"
+    p_b, g_b = (2, 2) if half_w else (4, 4)
+    o_b = 12 if half_w else 8  # (fp32 master +) AdamW m and v
+    div_p = shard if s.zero >= 3 else 1
+    div_g = shard if s.zero >= 2 else 1
+    div_o = shard if s.zero >= 1 else 1
+    params = p_b * elems // div_p
+    grads = g_b * trainable // div_g
+    opt = o_b * trainable // div_o
+    # step temporaries: foreach=False keeps the previous tensor's denominator while computing the next
+    # one (sqrt, then division): max over neighbours of prev + 2*cur, fp32; foreach=True: one fp32 list.
+    shards = [t // div_o for t in tensors]
+    if s.optimizer_foreach:
+        temps = 4 * sum(shards)
+    else:
+        temps = 4 * max((2 * c + (shards[k - 1] if k else 0) for k, c in enumerate(shards)), default=0)
+    host = 0
+    if s.offload_optimizer:
+        host = opt + temps
+        notes.append(f"optimizer states offloaded: {host / GiB:.1f} GiB of host memory per rank")
+        opt = temps = 0
+    # ---- activations of one micro-batch on this stage
+    la = layer_activations(shape, s)
+    tokens = s.micro_batch * s.seq_length // s.cp
+    acts_mb = st.layers * la.tensors
+    copies_mb = st.layers * la.weight_copies
+    sp = tp if s.sequence_parallel else 1
+    if st.embedding:
+        acts_mb += 8 * tokens + 8 * s.seq_length // s.cp * shape.head_dim  # ids, rope cos/sin
+    if st.head:
+        acts_mb += int(tokens * (8 * h + 4) / sp)  # final norm: x, n
+    # logits: 16-bit logits, fp32 copy and log_softmax output coexist in forward; fp32 kept for backward,
+    # its gradient and the gradient w.r.t. the 16-bit logits in backward.
+    logits_saved = logits_peak = 0
+    if st.head:
+        vloc = V // vtp
+        amp = s.precision != "fp32" and s.weights == "amp"
+        logits_saved = 4 * tokens * vloc + (2 * tokens * h // sp if amp else 0)
+        logits_peak = logits_saved + 8 * tokens * vloc  # backward: grad of log_softmax out and of its input
+        if amp:
+            copies_mb += 2 * V * h // vtp
+    recomp = recompute_transient(shape, s)
+    # ---- communication buffers
+    comm = 0
+    if s.zero >= 3 and shard > 1:
+        comm += 2 * p_b * layer_elems  # current + prefetched unsharded block
+        notes.append("ZeRO-3/FSDP: two unsharded blocks (current + prefetch) counted as communication buffers")
+    elif shard > 1 and s.zero < 2:
+        comm += 2 * DDP_BUCKET_BYTES
+    if tp > 1 and s.sequence_parallel:
+        comm += 2 * tokens * h  # all-gathered 16-bit block input
+    # ---- grads alive during forward (accumulation, pipelining)
+    g_fw = grads if s.microbatches > 1 else 0
+    base = params + opt + comm
+    inflight = st.inflight
+    act_all = inflight * acts_mb
+    cop_all = inflight * copies_mb
+    emb_grad = g_b * (shape.embedding_params() // vtp) // div_g if (st.embedding and s.lora is None) else 0
+    phases = {
+        "forward": base + g_fw + act_all + cop_all + logits_peak,
+        "backward_start": base + g_fw + act_all + cop_all + logits_saved + recomp,
+        "backward_end": base + grads - emb_grad + (inflight - 1) * (acts_mb + copies_mb) + recomp,
+        "optimizer_step": base + grads + temps,
+    }
+    phase = max(phases, key=phases.get)
+    cats = dict.fromkeys(CATEGORIES, 0)
+    cats.update(parameters=params, optimizer_states=opt, communication_buffers=comm)
+    if phase == "forward":
+        cats.update(gradients=g_fw, activations=act_all, autocast_weight_copies=cop_all, logits_loss=logits_peak)
+    elif phase == "backward_start":
+        cats.update(gradients=g_fw, activations=act_all + recomp, autocast_weight_copies=cop_all,
+                    logits_loss=logits_saved)
+    elif phase == "backward_end":
+        cats.update(gradients=grads - emb_grad, activations=(inflight - 1) * acts_mb + recomp,
+                    autocast_weight_copies=(inflight - 1) * copies_mb)
+    else:
+        cats.update(gradients=grads, optimizer_step_temporaries=temps)
+    cats["fragmentation"] = int(frag * sum(cats.values()))
+    if not half_w and s.precision != "fp32":
+        notes.append("amp: fp32 weights (4 B) + fp32 grads (4 B) + AdamW m, v (8 B) = 16 B per parameter")
+    states = {"parameters": params, "gradients": grads, "optimizer_states": opt}
+    return MemoryEstimate(cats, phase, st.name, host, notes, elems, phases, states)

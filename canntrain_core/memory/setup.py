@@ -1,0 +1,113 @@
+"""How a model is trained, as far as memory is concerned: precision, batch, parallel layout.
+
+:class:`TrainSetup` is built from a recipe (:func:`setup_from_recipe`) or by hand. It holds the few
+knobs the recipe schema does not have yet (sequence parallel, flash attention, LoRA, the optimizer's
+foreach mode), with defaults that match what canntrain's trainer does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+from canntrain_core.memory.shapes import ModelShape, shape_from_preset
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_LEVELS: tuple[str, ...] = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class LoraSetup:
+    """LoRA adapters of rank ``rank`` on the named block matrices; the base weights are frozen."""
+
+    rank: int = 16
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """Per-rank training layout. Sizes follow recipe ``distributed.*`` keys (dp = data_parallel_size)."""
+
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    micro_batch: int = 1
+    seq_length: int = 4096
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0  # 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP)
+    recompute: Recompute = "none"
+    offload_optimizer: bool = False
+    grad_accum: int = 1
+    num_microbatches: int | None = None  # pipeline micro-batches per step; None: grad_accum
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    sequence_parallel: bool = True  # with tp > 1, norms/residuals are split over tp as well
+    vocab_parallel: bool = True  # with tp > 1, embedding and output projection split over tp too
+    flash_attention: bool = True  # no a*s^2 score matrix kept (sdpa / FlashAttention)
+    # "amp": fp32 weights, autocast casts to bf16/fp16 per op (what canntrain's trainer does).
+    # "half": weights and grads in bf16/fp16, fp32 master copy inside the optimizer (Megatron/DeepSpeed).
+    weights: Literal["amp", "half"] = "amp"
+    optimizer_foreach: bool = False
+    lora: LoraSetup | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_length", "tp", "pp", "dp", "cp", "ep", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization must be 0, 1, 2 or 3 (got {self.zero})")
+        if self.recompute not in RECOMPUTE_LEVELS:
+            raise ValueError(f"activation_checkpointing must be one of {RECOMPUTE_LEVELS} (got {self.recompute!r})")
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"precision must be bf16, fp16 or fp32 (got {self.precision!r})")
+        if self.weights not in ("amp", "half"):
+            raise ValueError(f"weights must be 'amp' or 'half' (got {self.weights!r})")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"expert parallel size {self.ep} must divide dp x cp = {self.dp * self.cp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per optimizer step (what the pipeline schedule sees)."""
+        return self.num_microbatches or self.grad_accum
+
+    def but(self, **changes: Any) -> "TrainSetup":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def setup_from_recipe(recipe: Any, **extra: Any) -> TrainSetup:
+    """The TrainSetup of a validated :class:`canntrain_core.recipe.Recipe`; ``extra`` sets the other knobs."""
+    d, m = recipe.distributed, recipe.model
+    fields: dict[str, Any] = dict(
+        precision=m.precision,
+        micro_batch=recipe.data.batch_size,
+        seq_length=recipe.data.seq_length,
+        tp=d.tensor_parallel_size,
+        pp=d.pipeline_parallel_size,
+        dp=d.data_parallel_size,
+        cp=d.context_parallel_size,
+        ep=d.expert_parallel_size,
+        zero=d.zero_optimization,
+        recompute=m.activation_checkpointing,
+        offload_optimizer=recipe.optim.offload_optimizer,
+        grad_accum=recipe.optim.grad_accum_steps,
+        num_microbatches=d.num_microbatches,
+        pipeline_schedule=d.pipeline_schedule,
+    )
+    fields.update(extra)
+    return TrainSetup(**fields)
+
+
+def shape_from_recipe(recipe: Any) -> ModelShape:
+    """The ModelShape of a recipe's model section (preset + overrides, tokenizer vocab size)."""
+    m = recipe.model
+    vocab = None if "vocab_size" in m.overrides else recipe.data.tokenizer.vocab_size
+    return shape_from_preset(m.preset, m.overrides, vocab)

@@ -1,0 +1,168 @@
+"""Model shapes the memory estimator works on: llama (GQA aware), gpt and MoE.
+
+The recipe schema only knows llama presets today (``model.type: llama``), so the gpt and MoE
+shapes the estimator and the plan search also cover live here, in :data:`EXTRA_SHAPES`, until the
+schema grows them. A :class:`ModelShape` is all the estimator needs: no weights, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+ModelKind = Literal["llama", "gpt", "moe"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a decoder-only transformer.
+
+    llama: RMSNorm, RoPE, SwiGLU MLP (gate, up, down), grouped-query attention, no biases.
+    gpt: LayerNorm (weight+bias), learned positions, GELU MLP (fc, proj), biases, tied embeddings.
+    moe: a llama block whose MLP is ``num_experts`` SwiGLU experts of ``intermediate_size`` with a
+    router, ``experts_per_token`` of them active per token.
+    """
+
+    kind: ModelKind
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    num_experts: int = 1
+    experts_per_token: int = 1
+    max_positions: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model shape: {name} must be > 0 (got {getattr(self, name)})")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model shape: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model shape: num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.kind == "moe" and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError("model shape: experts_per_token must be in [1, num_experts]")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the k (or v) projection: num_kv_heads x head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    def with_layers(self, n: int) -> "ModelShape":
+        return replace(self, num_layers=n)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ------------------------------------------------------------------ parameters
+    def layer_matrices(self) -> list[tuple[str, int, int]]:
+        """(name, out, in) of every weight matrix of one block, in the order torch registers them."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_size
+        attn = [("q_proj", h, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, h)]
+        if self.kind == "gpt":
+            return attn + [("fc", i, h), ("proj", h, i)]
+        mlp = [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
+        if self.kind == "moe":
+            return attn + [("router", self.num_experts, h)] + mlp * self.num_experts
+        return attn + mlp
+
+    def layer_vectors(self) -> int:
+        """Elements of one block's 1-D parameters (norm weights, biases)."""
+        h = self.hidden_size
+        if self.kind == "gpt":  # two LayerNorms (w+b) and the biases of q, k, v, o, fc, proj
+            return 4 * h + (h + 2 * self.kv_size + h) + self.intermediate_size + h
+        return 2 * h
+
+    def layer_params(self) -> int:
+        return sum(o * i for _, o, i in self.layer_matrices()) + self.layer_vectors()
+
+    def embedding_params(self) -> int:
+        pos = self.max_positions * self.hidden_size if self.kind == "gpt" else 0
+        return self.vocab_size * self.hidden_size + pos
+
+    def head_params(self) -> int:
+        """Final norm plus the output projection (zero extra when tied to the embedding)."""
+        norm = 2 * self.hidden_size if self.kind == "gpt" else self.hidden_size
+        return norm + (0 if self.tie_embeddings else self.vocab_size * self.hidden_size)
+
+    def num_params(self) -> int:
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
+
+    def active_params(self) -> int:
+        """Parameters one token goes through (MoE: only experts_per_token experts)."""
+        if self.kind != "moe":
+            return self.num_params()
+        h, i = self.hidden_size, self.intermediate_size
+        idle = (self.num_experts - self.experts_per_token) * 3 * h * i
+        return self.num_params() - self.num_layers * idle
+
+
+# Shapes beyond the llama presets of models/registry.py (public configs of GPT-3 and Mixtral sizes).
+EXTRA_SHAPES: dict[str, ModelShape] = {
+    "gpt3-1.3b": ModelShape("gpt", 2048, 8192, 24, 16, 16, 50257, tie_embeddings=True, max_positions=2048),
+    "gpt3-13b": ModelShape("gpt", 5120, 20480, 40, 40, 40, 50257, tie_embeddings=True, max_positions=2048),
+    "mixtral-8x7b": ModelShape(
+        "moe", 4096, 14336, 32, 32, 8, 32000, num_experts=8, experts_per_token=2, max_positions=32768
+    ),
+}
+
+
+def shape_from_preset(preset: str, overrides: dict[str, Any] | None = None, vocab_size: int | None = None) -> ModelShape:
+    """A llama preset of models/registry.py (with recipe-style overrides) or one of :data:`EXTRA_SHAPES`."""
+    if preset in EXTRA_SHAPES:
+        shape = EXTRA_SHAPES[preset]
+        if overrides:
+            keys = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+                    "num_key_value_heads": "num_kv_heads", "max_position_embeddings": "max_positions"}
+            fields = {keys.get(k, k): v for k, v in overrides.items()}
+            bad = [k for k in fields if k not in shape.to_dict()]
+            if bad:
+                raise KeyError(f"model.overrides.{bad[0]}: not a field of the {preset} shape")
+            shape = replace(shape, **fields)
+        if vocab_size is not None and not (overrides and "vocab_size" in overrides):
+            shape = replace(shape, vocab_size=vocab_size)
+        return shape
+    from canntrain_core.models.registry import build_config
+
+    try:
+        cfg = build_config(preset, overrides, vocab_size)
+    except KeyError as e:
+        known = sorted([*__import__("canntrain_core.models.registry", fromlist=["PRESETS"]).PRESETS, *EXTRA_SHAPES])
+        raise KeyError(f"{e.args[0]} (memory estimator knows: {', '.join(known)})") from None
+    return ModelShape(
+        "llama",
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads or cfg.num_attention_heads,
+        cfg.vocab_size,
+        tie_embeddings=bool(cfg.tie_word_embeddings),
+        max_positions=cfg.max_position_embeddings,
+    )
+
+
+def llama_overrides(shape: ModelShape) -> dict[str, Any]:
+    """LlamaConfig fields that rebuild ``shape`` through models/registry.build_model (for measuring)."""
+    if shape.kind != "llama":
+        raise NotImplementedError(
+            f"measuring needs model code; only llama shapes can be built (this one is {shape.kind!r}); "
+            "use the analytic estimate"
+        )
+    return dict(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        vocab_size=shape.vocab_size,
+        tie_word_embeddings=shape.tie_embeddings,
+        max_position_embeddings=shape.max_positions,
+    )

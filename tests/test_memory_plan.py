@@ -1,0 +1,76 @@
+"""Plan search, the CLI and the OOM hint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from canntrain_core.cli import main
+from canntrain_core.memory import GiB, TrainSetup, get_device, oom_hint, shape_from_preset
+from canntrain_core.memory.plan import search, suggest_when_nothing_fits
+from canntrain_core.recipe import load_recipe
+
+CAP = 64 * GiB
+
+
+@pytest.fixture(scope="module")
+def plans32():
+    return search(shape_from_preset("llama2-70b"), 32, get_device("910b"), 8, 1024, memory_bytes=CAP)
+
+
+def test_70b_on_16_devices_of_64gib_has_no_plan_and_says_what_would_fit():
+    shape, dev = shape_from_preset("llama2-70b"), get_device("910b")
+    plans = search(shape, 16, dev, 8, 1024, memory_bytes=CAP)
+    assert plans and not any(p.fits for p in plans)
+    assert all(p.reason for p in plans)
+    # model states alone: 16 B x 69 B / 16 = 64.2 GiB > 64 GiB, whatever the split
+    assert all(p.estimate is None or p.estimate.model_states > CAP * 0.9 for p in plans)
+    hints = suggest_when_nothing_fits(shape, 16, dev, 8, 1024, TrainSetup(), CAP)
+    assert "64.2 GiB" in hints[0]
+    assert any("32 devices" in h for h in hints) and any("offload" in h for h in hints)
+
+
+def test_70b_on_32_devices_every_plan_multiplies_out_and_fits(plans32):
+    fitting = [p for p in plans32 if p.fits]
+    assert fitting
+    for p in fitting:
+        s = p.setup
+        assert s.tp * s.pp * s.dp * s.cp == 32
+        assert p.estimate.total <= CAP
+        assert s.micro_batch * s.dp * s.grad_accum == 1024
+    times = [p.step_time for p in fitting]
+    assert times == sorted(times)
+    assert all(p.reason for p in plans32 if not p.fits)
+    best = fitting[0].setup
+    assert best.tp <= 8  # TP kept inside a node
+
+
+def test_plan_cli_exit_codes_and_json(capsys):
+    assert main(["plan", "--model", "llama2-70b", "--devices", "16", "--device-memory", "64GiB"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama2-7b", "--devices", "8", "--json", "--global-batch", "64"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plans"] and all(p["fits"] for p in out["plans"])
+
+
+def test_estimate_cli_json_has_bytes_per_category_per_method(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {preset: tiny, precision: bf16}\ndata: {seq_length: 64, batch_size: 2}\n")
+    assert main(["estimate", str(recipe), "--measure", "--json", "--set", "data.batch_size=4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"analytic", "measured", "comparison"}
+    assert out["analytic"]["categories"]["parameters"] == out["measured"]["states"]["parameters"]
+    rows = {r["name"]: r for r in out["comparison"]}
+    assert abs(rows["total peak (tracked)"]["rel_error"]) < 0.10
+    assert main(["estimate", str(recipe), "--set", "model.activation_checkpointing=sometimes"]) == 2
+
+
+def test_oom_hint_names_a_change_that_fits():
+    recipe = load_recipe(None, {"model.preset": "llama2-7b", "model.precision": "bf16", "data.batch_size": 8,
+                                "data.seq_length": 4096, "distributed.world_size": 8,
+                                "distributed.data_parallel_size": 8, "distributed.zero_optimization": 3})
+    hint = oom_hint(recipe, 64 * GiB)
+    assert "against 64.00 GiB" in hint
+    assert "try: --set model.activation_checkpointing=" in hint
+    assert "no single change" in oom_hint(load_recipe(None, {"model.preset": "llama2-70b"}), 8 * GiB)
