@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from canntrain_core.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, verify_checkpoint
 from canntrain_core.train.metrics import read_metrics
@@ -113,3 +114,23 @@ def test_cli_train_resume_appends_metrics(tmp_path, data_cache):
     assert sorted(losses(tmp_path)) == list(range(1, 9))
     bad = subprocess.run(common[:5] + ["--set", "optim.lrr=1"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "optim.lrr: unknown key" in bad.stderr
+
+
+def test_out_of_memory_names_estimate_and_fix_and_keeps_checkpoint(tmp_path, fast_recipe):
+    # The device cannot be made to run out of memory here, so the decoder raises what CUDA raises.
+    from canntrain_core.train.trainer import OutOfMemory
+
+    recipe = fast_recipe(**{"optim.max_steps": 8, "logging.ckpt_interval": 3})
+    trainer = Trainer(recipe, run_dir=tmp_path, progress=False)
+
+    def explode(module, args):
+        if trainer.step == 4 and module.training:  # the forward of step 5
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    trainer.model.model.layers[0].register_forward_pre_hook(explode)
+    with pytest.raises(OutOfMemory) as e:
+        trainer.fit()
+    msg = str(e.value)
+    assert "step 5" in msg and "the estimate for this recipe is" in msg and "try: --set" in msg
+    assert "step_3" in msg and "is intact" in msg
+    verify_checkpoint(tmp_path / "checkpoints" / "step_3")

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from canntrain_core.checkpoint import CheckpointError
     from canntrain_core.recipe import load_recipe
-    from canntrain_core.train.trainer import RunDirError, Trainer
+    from canntrain_core.train.trainer import OutOfMemory, RunDirError, Trainer
 
     recipe = load_recipe(args.recipe, args.overrides)
     print(recipe.summary())
@@ -29,6 +29,10 @@ def run(args: argparse.Namespace) -> int:
     except (RunDirError, CheckpointError) as e:
         print(f"canntrain train: {e}")
         return 2
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except OutOfMemory as e:
+        print(f"canntrain train: {e}")
+        return 3
     print(result)
     return 0

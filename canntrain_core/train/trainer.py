@@ -36,6 +36,16 @@ class RunDirError(RuntimeError):
     """The run directory holds an earlier run that this one would overwrite."""
 
 
+class OutOfMemory(RuntimeError):
+    """The device ran out of memory; the message compares the estimate with the capacity and
+    suggests the cheapest change that fits. Checkpoints already written stay intact."""
+
+
+def _is_oom(e: BaseException) -> bool:
+    # CUDA raises torch.OutOfMemoryError; torch_npu a RuntimeError saying "NPU out of memory".
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -152,7 +162,12 @@ class Trainer:
             for _ in range(accum):
                 micro_batches.append(next(train_iter))
                 self.data.sampler.advance(len(micro_batches[-1]))
-            loss = self.train_step([b.to(acc.device, non_blocking=True) for b in micro_batches])
+            try:
+                loss = self.train_step([b.to(acc.device, non_blocking=True) for b in micro_batches])
+            except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
+                if not _is_oom(e):
+                    raise
+                raise self._out_of_memory(e) from e
             self.scaler.unscale_(self.optimizer)
             grad_norm = clip_grad_norm(model.parameters(), r.optim.grad_clip, self.pp_group)
             self.scaler.step(self.optimizer)
@@ -220,6 +235,14 @@ class Trainer:
         kwargs = {"target": batch[:, 1:], "losses": losses} if last else {}
         run(*args, **kwargs)
         return torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.acc.device)
+
+    def _out_of_memory(self, error: BaseException) -> OutOfMemory:
+        from canntrain_core.memory import oom_hint
+
+        capacity = self.acc.memory_capacity_bytes() or 0
+        last = checkpoint.latest_checkpoint(self.ckpt_root)
+        where = f"the last checkpoint, {last}, is intact" if last else "no checkpoint was written yet"
+        return OutOfMemory(f"step {self.step + 1}: {error}\n{oom_hint(self.recipe, capacity)}\n{where}")
 
     def _mean_over_ranks(self, loss: torch.Tensor) -> float:
         """The loss averaged over data-parallel ranks (tp ranks hold copies; only the last pp stage has one)."""
