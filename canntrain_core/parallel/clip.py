@@ -15,9 +15,12 @@ from torch.distributed.tensor import DTensor
 
 def clip_grad_norm(params, max_norm: float | None, pp_group=None) -> torch.Tensor:
     """Global L2 norm of all gradients (across shards and stages); scale them down to max_norm."""
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
     if not grads:
         return torch.zeros(())
+    if pp_group is None and not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
     norms = []
     for g in grads:
         n = torch.linalg.vector_norm(g, 2.0)

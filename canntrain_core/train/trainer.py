@@ -22,6 +22,7 @@ from canntrain_core.data import build_data
 from canntrain_core.models import build_config, build_model
 from canntrain_core.models.fused import apply_kernels, loss_cross_entropy
 from canntrain_core.models.lm import CausalLM
+from kernels.reference import plain_cross_entropy
 from canntrain_core.parallel import parallelize
 from canntrain_core.parallel.clip import clip_grad_norm
 from canntrain_core.recipe import Recipe, RecipeError, save_resolved
@@ -111,10 +112,13 @@ class Trainer:
         self.dp = dp_coordinates(self.mesh, self.dims)  # (data-parallel rank, size)
         self.data = build_data(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1])
         hf_model = build_model(m.preset, m.overrides, self.data.vocab_size, r.experiment.seed, self.acc.device)
+        cross_entropy = plain_cross_entropy
         if m.kernels != "eager" or m.kernel_overrides:
-            # kernels: eager keeps transformers' own modules (the registry's eager ops compute the same).
             apply_kernels(hf_model, m, device=self.acc.type)
-        self.model = CausalLM(hf_model, loss_cross_entropy(m, device=self.acc.type))
+            cross_entropy = loss_cross_entropy(m, device=self.acc.type)
+        # else kernels: eager keeps transformers' own modules and the plain loss (the registry's
+        # eager ops compute the same; its eager cross_entropy is the chunked one, slower on CPU).
+        self.model = CausalLM(hf_model, cross_entropy)
         self.model_config = hf_model.config
         self.schedule = parallelize(self.model, self.mesh, self.dims, r, self.acc.device)
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
