@@ -13,7 +13,7 @@ from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.optim import lr_factor
 from canntrain_core.train.trainer import RunDirError, Trainer
 
-from conftest import ROOT, TINY
+from conftest import FAST, ROOT, TINY
 
 
 def losses(run_dir):
@@ -134,3 +134,47 @@ def test_out_of_memory_names_estimate_and_fix_and_keeps_checkpoint(tmp_path, fas
     assert "step 5" in msg and "the estimate for this recipe is" in msg and "try: --set" in msg
     assert "step_3" in msg and "is intact" in msg
     verify_checkpoint(tmp_path / "checkpoints" / "step_3")
+
+
+def test_killed_process_resumes_to_the_same_losses(tmp_path, fast_recipe, data_cache):
+    """SIGKILL a real `canntrain train` mid-run; `--resume-from auto` must finish the same curve."""
+    import signal
+    import time
+
+    steps = {"optim.max_steps": 120, "logging.ckpt_interval": 4, "logging.eval_interval": 40}
+    Trainer(fast_recipe(**steps), run_dir=tmp_path / "reference", progress=False).fit()
+
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "canntrain_core.cli", "train", str(TINY), "--run-dir", str(run_dir), "--no-progress"]
+    for key, value in {**FAST, **steps, "data.cache_dir": data_cache}.items():
+        cmd += ["--set", f"{key}={value}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not [p for p in list_checkpoints(run_dir / "checkpoints") if int(p.name[5:]) >= 8]:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step_8 checkpoint"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "checkpoints" / "step_120").exists(), "killed too late to test anything"
+
+    resumed = subprocess.run(cmd + ["--resume-from", "auto"], cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    want, got = losses(tmp_path / "reference"), losses(run_dir)
+    assert sorted(got) == list(range(1, 121))
+    assert all(got[s] == want[s] for s in want), {s: (got[s], want[s]) for s in want if got[s] != want[s]}
+
+
+def test_torn_last_metrics_line_is_dropped(tmp_path):
+    from canntrain_core.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in (1, 2, 3):
+        log.write({"step": step, "loss": 1.0 / step})
+    with log.path.open("a") as f:
+        f.write('{"step": 4, "lo')  # killed mid-write
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    log.truncate_after(2)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    log.path.write_text('{"step": 1}\n{"ste\n{"step": 3}\n')  # damage in the middle is not a torn tail
+    with pytest.raises(ValueError):
+        read_metrics(tmp_path)

@@ -75,7 +75,7 @@ class MetricsLog:
         """Drop lines past ``step`` (a resumed run rewrites what followed its checkpoint)."""
         if not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = [json.dumps(r) for r in _parse_lines(self.path.read_text()) if r["step"] <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)
@@ -85,4 +85,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _parse_lines(path.read_text())
+
+
+def _parse_lines(text: str) -> list[dict[str, Any]]:
+    """JSON lines; a torn last line (the process was killed while writing it) is dropped."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return rows
