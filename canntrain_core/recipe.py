@@ -133,6 +133,9 @@ class DistributedConfig(_Section):
     expert_parallel_size: int = Field(1, gt=0)
     # ZeRO stage 0-3 (true means 3, i.e. FSDP full sharding; false means 0).
     zero_optimization: int = Field(0, ge=0, le=3)
+    # With tensor parallel: keep activations split along the sequence between TP regions
+    # (Megatron's SP; norms and residuals on 1/tp of the tokens).
+    sequence_parallel: bool = False
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     # Seconds a collective may wait before the job fails (instead of hanging).
     timeout_seconds: int = Field(600, gt=0)

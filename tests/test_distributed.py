@@ -22,6 +22,7 @@ LAYOUTS = {
     "fsdp2": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4},
     "zero2_2": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 2, "data.batch_size": 4},
     "tp2": {"distributed.tensor_parallel_size": 2},
+    "tp2_sp": {"distributed.tensor_parallel_size": 2, "distributed.sequence_parallel": True},
     "pp2_gpipe": {"distributed.pipeline_parallel_size": 2, "distributed.pipeline_schedule": "gpipe",
                   "data.batch_size": 4, "optim.grad_accum_steps": 2},
     "pp2_1f1b": {"distributed.pipeline_parallel_size": 2, "distributed.pipeline_schedule": "1f1b",
@@ -30,6 +31,7 @@ LAYOUTS = {
 FSDP4 = {"distributed.data_parallel_size": 4, "distributed.zero_optimization": 3, "data.batch_size": 2}
 FSDP2_TP2 = {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3,
              "distributed.tensor_parallel_size": 2, "data.batch_size": 4}
+FSDP2_TP2_SP = {**FSDP2_TP2, "distributed.sequence_parallel": True}
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -43,14 +45,14 @@ def runs(tmp_path_factory, data_cache):
             "logging.eval_interval": 4, "logging.ckpt_interval": 100}
     run_layouts(str(TINY), out, base, ["single={}"])  # the reference, in this process
     launch_layouts(TINY, out, 2, base, LAYOUTS)
-    launch_layouts(TINY, out, 4, base, {"fsdp2_tp2": FSDP2_TP2, "fsdp4@4": FSDP4})
+    launch_layouts(TINY, out, 4, base, {"fsdp2_tp2": FSDP2_TP2, "fsdp2_tp2_sp": FSDP2_TP2_SP, "fsdp4@4": FSDP4})
     step4 = out / "fsdp4" / "checkpoints" / "step_4"
     launch_layouts(TINY, out, 2, base, {f"fsdp2_from4<{step4}": LAYOUTS["fsdp2"]})
     run_layouts(str(TINY), out, base, [f"single_from4<{step4}={{}}"])
     return out
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "fsdp2_tp2"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "fsdp2_tp2", "fsdp2_tp2_sp"])
 def test_layout_matches_single_process(runs, layout):
     ref, got = losses(runs / "single"), losses(runs / layout)
     assert sorted(got) == sorted(ref) == list(range(1, 9))

@@ -34,6 +34,8 @@ def test_zero_stage_picks_shard_or_replicate():
     ({"distributed.world_size": 4, "distributed.tensor_parallel_size": 2, "distributed.data_parallel_size": 2},
      "zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported"),
     ({"distributed.world_size": 2, "distributed.context_parallel_size": 2}, "context_parallel_size > 1"),
+    ({"distributed.world_size": 4, "distributed.tensor_parallel_size": 2, "distributed.pipeline_parallel_size": 2,
+      "distributed.sequence_parallel": True}, "sequence_parallel with pipeline_parallel_size > 1"),
 ])
 def test_invalid_layouts_name_the_key(overrides, message):
     recipe = load_recipe(None, overrides)

@@ -101,6 +101,9 @@ def setup_from_recipe(recipe: Any, **extra: Any) -> TrainSetup:
         grad_accum=recipe.optim.grad_accum_steps,
         num_microbatches=d.num_microbatches,
         pipeline_schedule=d.pipeline_schedule,
+        # What the trainer does: SP when the recipe asks; embedding and head stay replicated.
+        sequence_parallel=d.sequence_parallel,
+        vocab_parallel=False,
     )
     fields.update(extra)
     return TrainSetup(**fields)

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kernels.reference import plain_cross_entropy
 
@@ -38,8 +39,10 @@ class CausalLM(nn.Module):
         module is a pipeline stage without the head.
         """
         m = self.model
+        # Positions from the input, which always holds the whole sequence (under sequence parallel
+        # the embedding's output is only this rank's slice of it).
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         h = m.embed_tokens(x) if m.embed_tokens is not None else x
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         rope = m.rotary_emb(h, position_ids=positions)
         for layer in self.layers():
             # attention_mask=None: SDPA applies the causal mask itself (no padding in packed data).
@@ -47,6 +50,8 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             return h
         h = m.norm(h)
+        if isinstance(h, DTensor):  # sequence parallel: gather the sequence for the head and loss
+            h = h.full_tensor()
         if targets is None:
             return self.lm_head(h)
         return self.cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())

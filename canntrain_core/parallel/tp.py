@@ -1,16 +1,29 @@
-"""Tensor parallelism (Megatron style) on the Llama decoder layers.
+"""Tensor parallelism (Megatron style) on the Llama decoder layers, with optional sequence parallelism.
 
-Column-parallel q/k/v and gate/up projections, row-parallel o and down projections: each
-layer does one all-reduce after attention and one after the MLP. Heads are split across the
-`tp` ranks (transformers' attention infers the local head count from the projection width).
-Embedding, final norm and output head stay replicated, so sequence parallelism and loss
-parallelism are not applied here: they save activation memory, which the estimator counts.
+Column-parallel q/k/v and gate/up projections, row-parallel o and down projections: each layer
+all-reduces after attention and after the MLP. Heads are split across the `tp` ranks
+(transformers' attention infers the local head count from the projection width).
+
+Sequence parallel (``distributed.sequence_parallel``, Megatron's SP): between those regions the
+activations stay split along the sequence, so the norms and residual adds run on 1/tp of the
+tokens and store 1/tp of the activations; each all-reduce becomes a reduce-scatter plus an
+all-gather (the same bytes). The embedding and output head stay replicated; the final hidden
+states are gathered before the loss (no loss parallelism: the head is small next to the layers
+for Llama's 32k vocabulary).
 """
 
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
@@ -23,6 +36,35 @@ LAYER_PLAN = {
 }
 
 
-def apply_tp(model, tp_mesh: DeviceMesh) -> None:
+def _sequence_parallel_layer_plan() -> dict:
+    gather = dict(desired_input_layouts=(Replicate(),), use_local_output=True)
+    return {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                        use_local_output=True),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), **gather),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def apply_tp(model, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    if not sequence_parallel:
+        for layer in model.layers():
+            parallelize_module(layer, tp_mesh, {name: style() for name, style in LAYER_PLAN.items()})
+        return
+    m = model.model
+    if m.embed_tokens is not None:  # replicated embedding; its output is split along the sequence
+        parallelize_module(m.embed_tokens, tp_mesh, PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+    if m.norm is not None:  # the final norm on the last pipeline stage; CausalLM gathers its output
+        parallelize_module(m.norm, tp_mesh, SequenceParallel())
     for layer in model.layers():
-        parallelize_module(layer, tp_mesh, {name: style() for name, style in LAYER_PLAN.items()})
+        parallelize_module(layer, tp_mesh, _sequence_parallel_layer_plan())

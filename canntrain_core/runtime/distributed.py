@@ -72,6 +72,9 @@ def validate_layout(d: DistributedConfig, model_config, devices_per_node: int | 
     if devices_per_node and tp > devices_per_node and not d.allow_cross_node_tp:
         problems.append(f"distributed.tensor_parallel_size={tp} spans nodes of {devices_per_node} devices; "
                         "TP's all-reduces need the intra-node links (set distributed.allow_cross_node_tp to force)")
+    if d.sequence_parallel and pp > 1:
+        problems.append("distributed.sequence_parallel with pipeline_parallel_size > 1 is not supported yet "
+                        "(stage boundaries would carry sequence shards)")
     if d.context_parallel_size > 1:
         problems.append("distributed.context_parallel_size > 1 is estimated by the memory planner but not run "
                         "by the trainer yet (torch's context_parallel needs SDPA flash/efficient kernels)")
