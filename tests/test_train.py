@@ -178,3 +178,11 @@ def test_torn_last_metrics_line_is_dropped(tmp_path):
     log.path.write_text('{"step": 1}\n{"ste\n{"step": 3}\n')  # damage in the middle is not a torn tail
     with pytest.raises(ValueError):
         read_metrics(tmp_path)
+
+
+def test_cli_bad_data_source_is_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "canntrain_core.cli", "train", str(TINY), "--run-dir", str(tmp_path),
+                           "--set", f"data.source={tmp_path / 'missing'}"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "data.source" in proc.stdout and "does not exist" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -18,7 +18,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Under torchrun, @record writes a failing rank's exception where the launcher's summary shows it.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_train)(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from canntrain_core.checkpoint import CheckpointError
+    from canntrain_core.data import DataError
     from canntrain_core.recipe import load_recipe
     from canntrain_core.train.trainer import OutOfMemory, RunDirError, Trainer
 
@@ -26,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     print(recipe.summary())
     try:
         trainer = Trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
-    except (RunDirError, CheckpointError) as e:
+    except (RunDirError, CheckpointError, DataError) as e:
         print(f"canntrain train: {e}")
         return 2
     try:
