@@ -157,10 +157,13 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Verify, then load model and optimizer in place; return this rank's trainer state."""
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    verify: bool = True) -> dict[str, Any]:
+    """Verify (unless the caller just did), then load model and optimizer in place; return this
+    rank's trainer state."""
     path = Path(path)
-    verify_checkpoint(path)
+    if verify:
+        verify_checkpoint(path)
     state = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),

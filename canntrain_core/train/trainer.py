@@ -104,9 +104,18 @@ class Trainer:
         self.run_dir = Path(_on_rank0(str(run_dir or default_run_dir(r))))
         self.ckpt_root = self.run_dir / "checkpoints"
         self.progress = progress and self.rank == 0
-        resume_path = self._resume_path(resume_from if resume_from is not None else r.resume_from)
-        if dist.is_initialized():
-            dist.barrier()  # every rank has looked at the run directory before rank 0 writes to it
+        # Rank 0 inspects the run directory (and hashes the checkpoint once); every rank gets its
+        # answer, and no rank goes on before it has one, so nothing is written before the check.
+        found = None
+        if self.rank == 0:
+            try:
+                found = self._resume_path(resume_from if resume_from is not None else r.resume_from)
+            except (RunDirError, checkpoint.CheckpointError) as e:
+                found = e
+        found = _on_rank0(found)
+        if isinstance(found, Exception):
+            raise found
+        resume_path = found
 
         seed_everything(r.experiment.seed)
         self.dp = dp_coordinates(self.mesh, self.dims)  # (data-parallel rank, size)
@@ -289,7 +298,7 @@ class Trainer:
         )
 
     def _load(self, path: Path) -> None:
-        state = checkpoint.load_checkpoint(path, self.model, self.optimizer)
+        state = checkpoint.load_checkpoint(path, self.model, self.optimizer, verify=False)  # verified above
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -311,7 +320,7 @@ class Trainer:
             return None
         if str(resume_from) == "auto":
             path = checkpoint.latest_checkpoint(self.ckpt_root)
-            if path is None and self.rank == 0:
+            if path is None:
                 print(f"resume_from=auto: no complete checkpoint in {self.ckpt_root}; starting fresh")
             return path
         path = Path(resume_from)
