@@ -27,6 +27,7 @@ LAYOUTS = {
     "dp2": {"distributed.data_parallel_size": 2, "data.batch_size": 4},
     "fsdp2": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4},
     "tp2": {"distributed.tensor_parallel_size": 2},
+    "tp2_sp": {"distributed.tensor_parallel_size": 2, "distributed.sequence_parallel": True},
     "pp2_1f1b": {"distributed.pipeline_parallel_size": 2, "data.batch_size": 4, "optim.grad_accum_steps": 2},
 }
 
@@ -101,7 +102,8 @@ def main() -> None:
         config = build_config(recipe.model.preset, recipe.model.overrides, recipe.data.tokenizer.vocab_size)
         est = a.nproc * sum(r["bytes"] for r in comm_per_step(
             config, ParallelDims.from_recipe(recipe.distributed), recipe.data.batch_size, recipe.data.seq_length,
-            recipe.optim.grad_accum_steps, recipe.distributed.zero_optimization, backend="gloo"))
+            recipe.optim.grad_accum_steps, recipe.distributed.zero_optimization, backend="gloo",
+            sequence_parallel=recipe.distributed.sequence_parallel))
         measured = res["bytes_per_step"]
         print(f"| {name} | {res['tokens_per_second']:,.0f} | {res['tokens_per_second'] / single_tps:.2f} | "
               f"{measured / 2**20:.1f} MiB | {est / 2**20:.1f} MiB | {measured / est:.2f} |")

@@ -18,10 +18,11 @@ def _layer_params(config) -> int:
 
 
 def comm_per_step(config, dims: ParallelDims, batch_size: int, seq_length: int, grad_accum: int,
-                  zero_stage: int, param_bytes: int = 4, act_bytes: int = 4, backend: str = "nccl") -> list[dict]:
+                  zero_stage: int, param_bytes: int = 4, act_bytes: int = 4, backend: str = "nccl",
+                  sequence_parallel: bool = False) -> list[dict]:
     """Rows of (strategy, collective, calls per step, bytes sent per device per step).
 
-    ``backend="gloo"``: gloo has no reduce-scatter, so FSDP2 falls back to an all-reduce (twice the bytes).
+    ``backend="gloo"``: gloo has no reduce-scatter, so it falls back to an all-reduce (twice the bytes).
     """
     layers = config.num_hidden_layers
     h = config.hidden_size
@@ -29,7 +30,19 @@ def comm_per_step(config, dims: ParallelDims, batch_size: int, seq_length: int, 
     params_per_stage = params / dims.pp
     rows = []
     tp_local = params_per_stage  # parameters outside TP's sharding are few for Llama: count all once
-    if dims.tp > 1:
+    rs_factor = 2 if backend == "gloo" else 1  # gloo has no reduce-scatter: an all-reduce instead
+    if dims.tp > 1 and sequence_parallel:
+        t = dims.tp
+        acts = batch_size * seq_length * h * act_bytes
+        # Each of the two TP regions per layer: all-gather in, reduce-scatter out (forward), and the
+        # mirror in backward; the embedding's and the final norm's gathers are left out (2 per step).
+        calls = 4 * (layers // dims.pp) * grad_accum
+        rows.append({"strategy": "TP+SP", "collective": "all-gather (activations)", "calls": calls,
+                     "bytes": calls * (t - 1) / t * acts})
+        rows.append({"strategy": "TP+SP", "collective": "reduce-scatter (activations)", "calls": calls,
+                     "bytes": rs_factor * calls * (t - 1) / t * acts})
+        tp_local = params_per_stage / t
+    elif dims.tp > 1:
         t = dims.tp
         acts = batch_size * seq_length * h * act_bytes
         # Forward: after o_proj and after down_proj. Backward: each column-parallel projection
@@ -46,9 +59,8 @@ def comm_per_step(config, dims: ParallelDims, batch_size: int, seq_length: int, 
             gathers = 2 if zero_stage >= 3 else 1  # ZeRO-3 gathers again for backward
             rows.append({"strategy": "FSDP", "collective": "all-gather (parameters)",
                          "calls": gathers * grad_accum, "bytes": gathers * grad_accum * (n - 1) / n * grads})
-            factor = 2 if backend == "gloo" else 1
             rows.append({"strategy": "FSDP", "collective": "reduce-scatter (gradients)",
-                         "calls": grad_accum, "bytes": factor * grad_accum * (n - 1) / n * grads})
+                         "calls": grad_accum, "bytes": rs_factor * grad_accum * (n - 1) / n * grads})
         else:
             rows.append({"strategy": "DP", "collective": "all-reduce (gradients)",
                          "calls": grad_accum, "bytes": grad_accum * 2 * (n - 1) / n * grads})

@@ -37,12 +37,15 @@ LAYER_PLAN = {
 
 
 def _sequence_parallel_layer_plan() -> dict:
-    gather = dict(desired_input_layouts=(Replicate(),), use_local_output=True)
+    # The projections receive the gathered input as a DTensor (use_local_output=False), so their
+    # input gradients add up as one Partial tensor and leave as one reduce-scatter, not an
+    # all-reduce per projection.
+    gather = dict(desired_input_layouts=(Replicate(),), use_local_output=False)
     return {
         "input_layernorm": SequenceParallel(),
         "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                         desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                        use_local_output=True),
+                                        use_local_output=False),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
