@@ -34,16 +34,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from canntrain_core.runtime.distributed import from_rank0, rank
+
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names the path and file."""
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _barrier() -> None:
@@ -131,10 +129,7 @@ def save_checkpoint(
     if final.exists():
         raise CheckpointError(f"{final} already exists; refusing to overwrite it")
     root.mkdir(parents=True, exist_ok=True)
-    tmp_holder = [str(Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root)))] if _rank() == 0 else [None]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(tmp_holder, src=0)
-    tmp = Path(tmp_holder[0])
+    tmp = Path(from_rank0(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root) if rank() == 0 else None))
 
     state = {
         "model": get_model_state_dict(model),
@@ -143,9 +138,9 @@ def save_checkpoint(
     with warnings.catch_warnings():  # single-process saves are intended, not a misconfiguration
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(tmp))
-    torch.save(trainer_state, tmp / f"trainer_state_rank{_rank()}.pt")
+    torch.save(trainer_state, tmp / f"trainer_state_rank{rank()}.pt")
     _barrier()
-    if _rank() == 0:
+    if rank() == 0:
         (tmp / "recipe.resolved.yaml").write_text(recipe_yaml)
         _write_manifest(tmp, step)
         os.rename(tmp, final)  # atomic on one file system: step_N appears complete or not at all
@@ -173,7 +168,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
-    rank_file = path / f"trainer_state_rank{_rank()}.pt"
+    rank_file = path / f"trainer_state_rank{rank()}.pt"
     if not rank_file.is_file():
         rank_file = path / "trainer_state_rank0.pt"  # fewer ranks wrote it; later issues reshard
     # Our own file, verified against the manifest above; it holds numpy RNG state, so not weights_only.

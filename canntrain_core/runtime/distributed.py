@@ -100,7 +100,17 @@ def init_distributed(acc: Accelerator, d: DistributedConfig) -> int:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's global rank; 0 outside a process group."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def from_rank0(value):
+    """Rank 0's value of something each rank computed (a timestamped path, say); ``value`` outside a group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def dp_coordinates(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, int]:

@@ -27,7 +27,9 @@ from canntrain_core.parallel import parallelize
 from canntrain_core.parallel.clip import clip_grad_norm
 from canntrain_core.recipe import Recipe, RecipeError, save_resolved
 from canntrain_core.runtime import Accelerator, get_accelerator, seed_everything
-from canntrain_core.runtime.distributed import ParallelDims, dp_coordinates, init_distributed, validate_layout
+from canntrain_core.runtime.distributed import (
+    ParallelDims, dp_coordinates, from_rank0, init_distributed, rank, validate_layout,
+)
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
 from canntrain_core.viz.plots import plot_loss
@@ -66,15 +68,6 @@ def default_run_dir(recipe: Recipe) -> Path:
     return Path(recipe.experiment.output_dir) / f"{recipe.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _on_rank0(value):
-    """Rank 0's value of something each rank computed (a timestamped path, say)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class Trainer:
     """Builds data, model, optimizer and schedule from a recipe and trains them in `fit`.
 
@@ -98,10 +91,10 @@ class Trainer:
         if m.precision == "fp16" and d.pipeline_parallel_size > 1:
             raise RecipeError("model.precision=fp16 with pipeline parallel is not supported; use bf16")
         init_distributed(self.acc, d)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = rank()
         self.dims = ParallelDims.from_recipe(d)
         self.mesh = self.dims.build_mesh(self.acc.type)
-        self.run_dir = Path(_on_rank0(str(run_dir or default_run_dir(r))))
+        self.run_dir = Path(from_rank0(str(run_dir or default_run_dir(r))))
         self.ckpt_root = self.run_dir / "checkpoints"
         self.progress = progress and self.rank == 0
         # Rank 0 inspects the run directory (and hashes the checkpoint once); every rank gets its
@@ -112,7 +105,7 @@ class Trainer:
                 found = self._resume_path(resume_from if resume_from is not None else r.resume_from)
             except (RunDirError, checkpoint.CheckpointError) as e:
                 found = e
-        found = _on_rank0(found)
+        found = from_rank0(found)
         if isinstance(found, Exception):
             raise found
         resume_path = found
