@@ -18,13 +18,13 @@ import sys
 
 import torch
 
-# This file is itself named kernels.py: keep its folder off sys.path so `import kernels` is the package.
+# This file is itself named kernels.py: keep its folder off sys.path so transformers' `import kernels` finds the hub package.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.modules.pop("kernels", None) if getattr(sys.modules.get("kernels"), "__file__", "") == __file__ else None
 
-from kernels import registry  # noqa: E402
-from kernels.bench import backend_speed, cross_entropy_peak, train_step_throughput  # noqa: E402
+from canntrain_kernels import registry  # noqa: E402
+from canntrain_kernels.bench import backend_speed, cross_entropy_peak, train_step_throughput  # noqa: E402
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:

@@ -1,19 +1,29 @@
 """The `canntrain` command line. Each subcommand lives next to the code it drives and
-registers itself through a `register(subparsers)` function in one of COMMAND_MODULES."""
+registers itself through a `register(subparsers)` function in one of COMMAND_MODULES.
+
+Expected failures (:class:`canntrain_core.errors.CanntrainError`) end as one message on stderr,
+``canntrain <command>: ...``, and the exit code of their kind (2 bad input, 3 out of memory,
+1 otherwise); under torchrun the message also goes to the launcher's error file, so its failure
+summary names it. Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
+import time
 
-from canntrain_core.recipe import RecipeError
+from canntrain_core.errors import CanntrainError
 
 COMMAND_MODULES = [
     "canntrain_core.train.cli",  # train
+    "canntrain_core.checkpoint.cli",  # export
     "canntrain_core.jobs.cli",  # run (notebooks headless)
     "canntrain_core.memory.cli",
-    "kernels.cli",
+    "canntrain_kernels.cli",
     "canntrain_core.jobs.launch_cli",
 ]
 
@@ -26,13 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def report_failure(command: str, error: CanntrainError) -> int:
+    """Print ``error`` as canntrain's one message, tell torchrun's summary, return its exit code."""
+    message = f"canntrain {command}: {error}"
+    print(message, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun shows this file's py_callstack as the failing rank's "traceback"
+        record = {"message": {"message": f"{type(error).__name__}: {error}",
+                              "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+        with open(error_file, "w") as f:
+            json.dump(record, f)
+    return error.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except RecipeError as e:
-        print(f"canntrain: {e}", file=sys.stderr)
-        return 2
+    except CanntrainError as e:
+        return report_failure(args.command, e)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used; the message says which file, key and line."""
+from canntrain_core.errors import RecipeError
+from canntrain_core.recipe_file import read_recipe_file
 
 
 class _Section(BaseModel):
@@ -33,10 +32,13 @@ class ExperimentConfig(_Section):
 class ModelConfig(_Section):
     type: Literal["llama"] = "llama"
     preset: str = "tiny"
+    # A Hugging Face model directory (config.json + safetensors, tokenizer.json if any) to start
+    # from: the architecture and weights come from there, and preset / overrides must agree with it.
+    init_from: str | None = None
     # Keys of the transformers config to change, e.g. {num_hidden_layers: 2}.
     overrides: dict[str, Any] = Field(default_factory=dict)
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"
-    # Which fused-kernel backend the model uses (see kernels/): auto picks the fastest checked one.
+    # Which fused-kernel backend the model uses (see canntrain_kernels/): auto picks the fastest checked one.
     kernels: Literal["auto", "eager", "compile", "npu", "cuda"] = "eager"
     # Per-op backend choices that win over `kernels`, e.g. {cross_entropy: eager}.
     kernel_overrides: dict[
@@ -77,6 +79,9 @@ class DataConfig(_Section):
     persistent_workers: bool = False
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     cache_dir: str | None = None
+    # A JSONL line that is not a usable record, or a file in a text directory that is not UTF-8
+    # text: "error" stops with its file and line, "skip" leaves it out and counts it (info["bad_records"]).
+    on_bad_record: Literal["skip", "error"] = "error"
 
     @model_validator(mode="after")
     def _workers(self) -> "DataConfig":
@@ -192,6 +197,20 @@ class Recipe(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     # A checkpoint directory, "auto" (newest complete checkpoint in the run directory) or null.
     resume_from: str | None = None
+    # What loading noticed but did not reject (e.g. an override given twice); summary() prints them.
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    def __eq__(self, other: object) -> bool:
+        # Equal settings make equal recipes; notes say how a recipe was loaded, not what it is.
+        if not isinstance(other, Recipe):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like every pydantic model
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return tuple(self._notes)
 
     # ---- derived values, computed from the keys above, never set by hand ----
     @property
@@ -233,30 +252,11 @@ class Recipe(_Section):
             f"  {self.optim.max_steps} steps, lr {self.optim.lr:g} ({self.optim.scheduler}, "
             f"{self.optim.warmup} warmup steps, min {self.optim.min_lr_ratio:g} x lr)",
         ]
+        lines += [f"  {note}" for note in self._notes]
         return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------- loading
-
-
-def _key_lines(text: str) -> dict[str, int]:
-    """Map each dotted key in a YAML document to its 1-based line number."""
-    lines: dict[str, int] = {}
-
-    def walk(node: yaml.Node, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = f"{prefix}{k.value}"
-                lines[key] = k.start_mark.line + 1
-                walk(v, key + ".")
-
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return lines
-    if root is not None:
-        walk(root, "")
-    return lines
+# ---------------------------------------------------------------------------- overrides
 
 
 def _parse_value(raw: Any) -> Any:
@@ -269,19 +269,36 @@ def _parse_value(raw: Any) -> Any:
         return raw
 
 
-def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str, Any]:
-    """Accept {"optim.lr": 1e-4} (papermill) or ["optim.lr=1e-4"] (CLI) and return a dict."""
-    if not overrides:
-        return {}
+def _override_items(overrides: Mapping[str, Any] | list[str]) -> list[tuple[str, Any]]:
+    """(dotted key, value as given) pairs, in order."""
     if isinstance(overrides, Mapping):
-        return {str(k): _parse_value(v) for k, v in overrides.items()}
-    out: dict[str, Any] = {}
+        return [(str(k).strip(), v) for k, v in overrides.items()]
+    items = []
     for item in overrides:
         if "=" not in item:
             raise RecipeError(f"override {item!r}: expected KEY=VALUE, e.g. optim.lr=1e-4")
         key, value = item.split("=", 1)
-        out[key.strip()] = _parse_value(value)
-    return out
+        items.append((key.strip(), value))
+    return items
+
+
+def _parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> tuple[dict[str, Any], list[str]]:
+    """The overrides as a dict (the later of a repeated key wins) and a note per repeated key."""
+    given: dict[str, list[Any]] = {}
+    for key, value in _override_items(overrides or []):
+        given.setdefault(key, []).append(value)
+    notes = []
+    for key, values in given.items():
+        if len(values) > 1:  # e.g. a --set in a launch script and another typed after it
+            times = "twice" if len(values) == 2 else f"{len(values)} times"
+            shown = ", ".join(map(str, values[:-1])) + f", then {values[-1]}"
+            notes.append(f"override {key} given {times} ({shown}): using {values[-1]}")
+    return {key: _parse_value(values[-1]) for key, values in given.items()}, notes
+
+
+def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str, Any]:
+    """Accept {"optim.lr": 1e-4} (papermill) or ["optim.lr=1e-4"] (CLI) and return a dict."""
+    return _parse_overrides(overrides)[0]
 
 
 def _apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -327,33 +344,20 @@ def load_recipe(
     the dotted key and, where known, the line.
     """
     source = str(path) if path is not None else "<defaults>"
-    text = ""
     data: dict[str, Any] = {}
+    lines: dict[str, int] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise RecipeError(f"{source}: recipe file not found")
-        text = p.read_text()
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = f", line {mark.line + 1}" if mark is not None else ""
-            problem = getattr(e, "problem", None) or str(e)
-            raise RecipeError(f"{source}{line}: YAML syntax error: {problem}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise RecipeError(f"{source}: a recipe must be a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
+        data, lines = read_recipe_file(Path(path), source, Recipe)
     data = copy.deepcopy(data)
-    parsed = parse_overrides(overrides)
+    parsed, notes = _parse_overrides(overrides)
     for key, value in parsed.items():
         _apply_override(data, key, value)
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(_format_errors(e, source, _key_lines(text), set(parsed))) from None
+        raise RecipeError(_format_errors(e, source, lines, set(parsed))) from None
+    recipe._notes = notes
+    return recipe
 
 
 def save_resolved(recipe: Recipe, run_dir: str | Path) -> Path:

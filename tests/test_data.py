@@ -76,9 +76,13 @@ def test_directory_source(tmp_path):
     (root / "image.bin").write_bytes(b"\x89PNG\x00\x01\x02")  # binary: skipped
     (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8: skipped
     (root / "empty.txt").write_text("")
-    corpus = load_corpus(str(root))
+    corpus = load_corpus(str(root), on_bad_record="skip")
     assert [d.name for d in corpus.documents] == ["a.md", "b.txt", "sub/c.py"]
     assert corpus.n_bytes == len("# first\n") + len("second file\n") + len("print('hi')\n")
+    assert corpus.bad_records == (
+        "image.bin: a binary file (NUL byte at byte 4), not text",
+        "latin1.txt: not UTF-8 (unexpected end of data, byte 0xe9 at byte 3)",
+    )
 
 
 def test_jsonl_source_and_errors(tmp_path):
@@ -97,6 +101,53 @@ def test_jsonl_source_and_errors(tmp_path):
     nokey.write_text('{"text": "ok"}\n{"text": "ok"}\n{"content": "x"}\n')
     with pytest.raises(DataError, match=r"nokey\.jsonl, line 3: record has no key 'text'"):
         load_corpus(str(nokey))
+
+
+def test_bad_jsonl_records_are_skipped_and_counted(tmp_path):
+    src = tmp_path / "mixed.jsonl"
+    src.write_text('{"text": "one"}\n{"text": "broken"\n{"text": "two"}\n{"body": "no text key"}\n{"text": "three"}\n')
+    with pytest.raises(DataError, match=r"mixed\.jsonl, line 2: invalid JSON.*data\.on_bad_record=skip"):
+        load_corpus(str(src))
+    b = build_data(small_cfg(tmp_path / "cache", source=str(src), max_bytes=None, on_bad_record="skip",
+                             tokenizer=TokenizerConfig(vocab_size=260), seq_length=2, val_fraction=0.0), seed=0)
+    assert b.info["corpus_documents"] == 3 and b.info["bad_records"] == 2
+    examples = b.info["bad_record_examples"]
+    assert len(examples) == 2
+    assert examples[0].startswith("mixed.jsonl:2: invalid JSON")
+    assert examples[1].startswith("mixed.jsonl:4: record has no key 'text'")
+    # The kept records keep their line numbers as names, so the cache keys (which hash the kept
+    # documents) change only when a kept document does.
+    corpus = load_corpus(str(src), on_bad_record="skip")
+    assert [d.name for d in corpus.documents] == ["mixed.jsonl:1", "mixed.jsonl:3", "mixed.jsonl:5"]
+    src.write_text('{"text": "one"}\n{"text": "broken"\n{"text": "two"}\n{"body": "no text key"}\n{"text": "3"}\n')
+    assert load_corpus(str(src), on_bad_record="skip").content_hash != corpus.content_hash
+
+
+def test_bad_files_in_a_text_directory(tmp_path):
+    root = tmp_path / "texts"
+    root.mkdir()
+    (root / "good.txt").write_text("plain text\n")
+    (root / "latin1.txt").write_bytes("na\xefve caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"texts/latin1\.txt: not UTF-8 \(invalid continuation byte, byte 0xef at byte 2\)"):
+        load_corpus(str(root))
+    corpus = load_corpus(str(root), on_bad_record="skip")
+    assert corpus.texts() == ["plain text\n"]
+    assert corpus.bad_records == ("latin1.txt: not UTF-8 (invalid continuation byte, byte 0xef at byte 2)",)
+    # Nothing usable left: one clear error before a tokenizer would train on nothing.
+    (root / "good.txt").unlink()
+    with pytest.raises(DataError, match=r"no usable documents in .*skipped 1 bad record\(s\)/file\(s\): latin1\.txt"):
+        load_corpus(str(root), on_bad_record="skip")
+
+
+def test_stdlib_non_utf8_test_files_are_skipped_and_counted_whatever_the_policy(tmp_path, monkeypatch):
+    # A stand-in stdlib (some installs ship it without test/, where the real latin-1 files live).
+    (tmp_path / "test").mkdir()
+    (tmp_path / "abc.py").write_text("x = 1\n")
+    (tmp_path / "test" / "latin1.py").write_bytes(b"# -*- coding: latin-1 -*-\ns = 'caf\xe9'\n")
+    monkeypatch.setattr("canntrain_core.data.corpus.stdlib_dir", lambda: tmp_path)
+    corpus = load_corpus("stdlib", on_bad_record="error")
+    assert [d.name for d in corpus.documents] == ["abc.py"]
+    assert corpus.bad_records == ("test/latin1.py: not UTF-8 (invalid continuation byte, byte 0xe9 at byte 34)",)
 
 
 def test_jsonl_corpus_end_to_end_keeps_literal_eos_as_text(tmp_path):

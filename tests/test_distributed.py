@@ -9,6 +9,7 @@ A checkpoint written by 4 ranks resumes on 2 ranks and on 1 and continues the sa
 from pathlib import Path
 
 import pytest
+import torch
 
 from canntrain_core.jobs.layouts import launch_layouts, run_layouts
 from canntrain_core.train.metrics import read_metrics
@@ -71,3 +72,22 @@ def test_checkpoint_from_4_ranks_resumes_on_fewer(runs, resumed):
     got = losses(runs / resumed)
     assert sorted(got) == [5, 6, 7, 8]
     assert max(abs(got[s] - ref[s]) for s in got) < LOSS_TOL, (got, ref)
+
+
+def test_export_of_a_4_rank_checkpoint_equals_the_export_of_the_same_weights_from_1_rank(runs, tmp_path, data_cache):
+    from safetensors.torch import load_file
+
+    from canntrain_core.checkpoint.export import export_hf
+    from canntrain_core.recipe import load_recipe
+    from canntrain_core.train.trainer import Trainer
+
+    step4 = runs / "fsdp4" / "checkpoints" / "step_4"
+    base = {**FAST, "data.cache_dir": data_cache, "data.batch_size": 8, "optim.max_steps": 8}
+    one = Trainer(load_recipe(TINY, base), run_dir=tmp_path / "one", resume_from=step4, progress=False)
+    rewritten = one.save()  # the same weights, written by one rank
+    a = export_hf(step4, tmp_path / "from4", max_shard_size="1MB")
+    b = export_hf(rewritten, tmp_path / "from1", max_shard_size="1MB")
+    assert a.files == b.files and len(a.files) > 1
+    for name in a.files:
+        ta, tb = load_file(a.out / name), load_file(b.out / name)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import registry
-from kernels.cases import make_case, parse_shape
-from kernels.check import check_one, run_check
-from kernels.memory import peak_bytes
-from kernels.reference import cross_entropy, plain_cross_entropy
+import canntrain_kernels as kernels
+from canntrain_kernels import registry
+from canntrain_kernels.cases import make_case, parse_shape
+from canntrain_kernels.check import check_one, run_check
+from canntrain_kernels.memory import peak_bytes
+from canntrain_kernels.reference import cross_entropy, plain_cross_entropy
 
 OPS = list(kernels.OPS)
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-import kernels
+import canntrain_kernels as kernels
 from canntrain_core.models.fused import FusedLlamaAttention, apply_kernels, describe, loss_cross_entropy
 from canntrain_core.models.registry import build_model
 from canntrain_core.recipe import ModelConfig

@@ -3,10 +3,10 @@ and a failing rank ending a torchrun job with the rank named (one 2-process laun
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -265,3 +265,17 @@ def test_npu_launch_exports_rank_table_and_hccl_env(tmp_path):
     assert r.returncode == 2
     assert "world size: the table has 1 devices but --world-size is 2" in r.stderr
     assert f"run_pretrain.sh: rank table {rt} does not describe 1 node(s) x 2 device(s)" in r.stderr
+
+
+def test_expected_failure_under_torchrun_reaches_the_launchers_summary(tmp_path):
+    """A rank's expected failure is one line on its stderr, and torchrun's failure summary shows that line."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "canntrain_core.cli", "train", str(TINY), "--run-dir", str(tmp_path / "run"),
+           "--set", "distributed.world_size=4", "--set", "distributed.data_parallel_size=4"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "CANNTRAIN_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, r.stdout + r.stderr  # torchrun's own code for a failed child
+    line = "canntrain train: distributed.world_size=4 but this job has 2 process(es) (WORLD_SIZE)"
+    summary = r.stderr[r.stderr.index("Root Cause"):]
+    assert line in summary and "exitcode  : 2" in summary, r.stderr[-3000:]
+    assert not (tmp_path / "run").exists()

@@ -1,6 +1,5 @@
 """Notebook hygiene (parameters cell, no committed outputs) and headless runs through papermill."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path

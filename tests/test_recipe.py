@@ -1,5 +1,6 @@
 """Recipe validation: every bad input is rejected before work starts, naming file, key and line."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,87 @@ def test_resolved_recipe_round_trips(tmp_path):
     again = load_recipe(out)
     assert again == recipe
     assert yaml.safe_load(text)["optim"]["lr"] == 2e-4
+
+
+def test_duplicate_keys_are_all_reported_with_both_lines(tmp_path):
+    p = write(tmp_path, "optim:\n  lr: 1.0e-3\n  max_steps: 5\n  lr: 2.0e-3\ndata:\n  seq_length: 8\n  seq_length: 16\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    msg = str(e.value)
+    assert f"{p}, line 4: optim.lr: duplicate key (first at line 2)" in msg
+    assert f"{p}, line 7: data.seq_length: duplicate key (first at line 6)" in msg
+
+
+def test_merge_keys_may_be_overridden(tmp_path):
+    p = write(tmp_path, "experiment:\n  name: base\ndata: &d\n  seq_length: 32\n  batch_size: 2\n"
+                        "optim:\n  lr: 1.0e-3\nlogging:\n  log_interval: 5\n  <<: {eval_interval: 7, log_interval: 9}\n")
+    recipe = load_recipe(p)
+    assert recipe.logging.log_interval == 5 and recipe.logging.eval_interval == 7
+    # The lines still point where keys are written, not where they were merged from.
+    bad = write(tmp_path, "base: &b {seq_length: 32}\ndata:\n  <<: *b\n  seq_length: x\n")
+    with pytest.raises(RecipeError, match=r"line 4: data\.seq_length: Input should be a valid integer"):
+        load_recipe(bad)
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"], ids=["empty", "comments", "bare-document"])
+def test_a_file_without_settings_is_rejected(tmp_path, text):
+    with pytest.raises(RecipeError, match="holds no settings"):
+        load_recipe(write(tmp_path, text))
+
+
+def test_files_that_are_not_yaml_text(tmp_path):
+    utf16 = tmp_path / "utf16.yaml"
+    utf16.write_text("optim:\n  lr: 1.0e-3\n", encoding="utf-16")
+    with pytest.raises(RecipeError, match="UTF-16 text, not UTF-8"):
+        load_recipe(utf16)
+    ckpt = tmp_path / "model.pt"
+    ckpt.write_bytes(b"PK\x03\x04\x14\x00\x00\x00")
+    with pytest.raises(RecipeError, match=r"a binary file: a zip archive .*NUL byte at byte 5"):
+        load_recipe(ckpt)
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(2 << 20)
+    with pytest.raises(RecipeError, match="too big for a recipe"):
+        load_recipe(big)
+
+
+def test_paths_that_are_not_recipe_files(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.resolved.yaml").write_text("{}\n")
+    with pytest.raises(RecipeError, match=r"is a run directory, not a recipe file; its recipe is .*recipe\.resolved"):
+        load_recipe(run)
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(RecipeError, match="not a regular file"):  # and does not block reading it
+        load_recipe(fifo)
+    link = tmp_path / "link.yaml"
+    link.symlink_to(tmp_path / "gone.yaml")
+    with pytest.raises(RecipeError, match=r"not found \(a symlink to .*gone\.yaml"):
+        load_recipe(link)
+
+
+def test_unreadable_file(tmp_path):
+    p = write(tmp_path, "optim:\n  lr: 1.0e-3\n")
+    p.chmod(0)
+    try:
+        if os.access(p, os.R_OK):
+            pytest.skip("running as a user who reads any file (root)")
+        with pytest.raises(RecipeError, match="cannot be read: Permission denied"):
+            load_recipe(p)
+    finally:
+        p.chmod(0o644)
+
+
+def test_repeated_override_wins_and_the_summary_says_so():
+    recipe = load_recipe(CONFIGS / "tiny_pretrain.yaml", ["optim.lr=0.001", "data.seq_length=32", "optim.lr=0.002"])
+    assert recipe.optim.lr == 0.002 and recipe.data.seq_length == 32
+    assert "  override optim.lr given twice (0.001, then 0.002): using 0.002" in recipe.summary().splitlines()
+    assert load_recipe(CONFIGS / "tiny_pretrain.yaml", {"optim.lr": 1e-3, " optim.lr": 3e-3}).notes == (
+        "override optim.lr given twice (0.001, then 0.003): using 0.003",
+    )
+    thrice = load_recipe(None, ["optim.lr=1", "optim.lr=2", "optim.lr=3"])
+    assert thrice.notes == ("override optim.lr given 3 times (1, 2, then 3): using 3",)
+    # Notes are not settings: the same settings loaded without a repeat are the same recipe.
+    assert recipe == load_recipe(CONFIGS / "tiny_pretrain.yaml", ["optim.lr=0.002", "data.seq_length=32"])
+    assert "given twice" not in load_recipe(CONFIGS / "tiny_pretrain.yaml", ["optim.lr=0.002"]).summary()

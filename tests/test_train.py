@@ -8,7 +8,10 @@ import sys
 import pytest
 import torch
 
-from canntrain_core.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, verify_checkpoint
+from canntrain_core.checkpoint import (
+    CheckpointError, find_resumable, latest_checkpoint, list_checkpoints, verify_checkpoint,
+)
+from canntrain_core.recipe import RecipeError
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.optim import lr_factor
 from canntrain_core.train.trainer import RunDirError, Trainer
@@ -69,8 +72,10 @@ def test_half_written_and_corrupt_checkpoints(tmp_path, fast_recipe):
     half = root / "step_9"
     half.mkdir()
     (half / "__0_0.distcp").write_bytes(b"partial")
-    with pytest.warns(UserWarning, match="step_9: incomplete checkpoint"):
-        assert latest_checkpoint(root) == root / "step_6"
+    assert latest_checkpoint(root) == root / "step_6"
+    path, damaged = find_resumable(root)
+    assert path == root / "step_6" and [(p, "incomplete checkpoint" in str(e)) for p, e in damaged] == [(half, True)]
+    half.rename(tmp_path / "step_9")  # out of the way for the rest
 
     # A flipped byte in the newest good checkpoint: named, and auto falls back to step_3.
     shard = next((root / "step_6").glob("*.distcp"))
@@ -81,8 +86,7 @@ def test_half_written_and_corrupt_checkpoints(tmp_path, fast_recipe):
         verify_checkpoint(root / "step_6")
     with pytest.raises(CheckpointError, match="corrupt"):
         Trainer(recipe, run_dir=tmp_path / "other", resume_from=root / "step_6", progress=False)
-    with pytest.warns(UserWarning):
-        trainer = Trainer(recipe, run_dir=tmp_path, resume_from="auto", progress=False)
+    trainer = Trainer(recipe, run_dir=tmp_path, resume_from="auto", progress=False)
     assert trainer.step == 3
 
 
@@ -106,7 +110,8 @@ def test_cli_train_resume_appends_metrics(tmp_path, data_cache):
     first = subprocess.run(common + ["--set", "optim.max_steps=4"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert first.returncode == 0, first.stderr[-2000:]
     refused = subprocess.run(common + ["--set", "optim.max_steps=8"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert refused.returncode == 2 and "already holds an earlier run (step_4)" in refused.stdout
+    assert refused.returncode == 2 and "already holds an earlier run (step_4)" in refused.stderr
+    assert "Traceback" not in refused.stderr
     again = subprocess.run(common + ["--set", "optim.max_steps=8", "--resume-from", "auto"],
                            capture_output=True, text=True, env=env, cwd=ROOT)
     assert again.returncode == 0, again.stderr[-2000:]
@@ -184,5 +189,75 @@ def test_cli_bad_data_source_is_one_clear_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "canntrain_core.cli", "train", str(TINY), "--run-dir", str(tmp_path),
                            "--set", f"data.source={tmp_path / 'missing'}"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
-    assert "data.source" in proc.stdout and "does not exist" in proc.stdout
+    assert proc.stderr.startswith("canntrain train: data.source") and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def _damage(ckpt, how: str) -> None:
+    if how == "manifest-missing":
+        (ckpt / "manifest.json").unlink()
+    elif how == "shard-truncated":
+        shard = next(ckpt.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:  # another run's trainer state dropped in: same name and size, other bytes
+        state = ckpt / "trainer_state_rank0.pt"
+        data = bytearray(state.read_bytes())
+        data[-100] ^= 0xFF
+        state.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def every_3_steps(tmp_path_factory, data_cache):
+    """A 12-step reference run and the recipe, checkpointing every 3 steps."""
+    from canntrain_core.recipe import load_recipe
+
+    recipe = load_recipe(TINY, {**FAST, "data.cache_dir": data_cache, "logging.ckpt_interval": 3})
+    ref = tmp_path_factory.mktemp("ref")
+    Trainer(recipe, run_dir=ref, progress=False).fit()
+    return recipe, losses(ref)
+
+
+@pytest.mark.parametrize("how", ["manifest-missing", "shard-truncated", "trainer-state-replaced"])
+def test_damaged_newest_checkpoint_is_set_aside_and_the_run_trains_past_it(tmp_path, every_3_steps, how, capsys):
+    recipe, want = every_3_steps
+    Trainer(recipe, run_dir=tmp_path, progress=False).fit(stop_after=9)
+    root = tmp_path / "checkpoints"
+    _damage(root / "step_9", how)
+    capsys.readouterr()
+    trainer = Trainer(recipe, run_dir=tmp_path, resume_from="auto", progress=False)
+    assert trainer.step == 6
+    out = capsys.readouterr().out
+    aside = [p for p in root.iterdir() if p.name.startswith("step_9.damaged-")]
+    assert len(aside) == 1 and "step_9 is damaged" in out and f"moved it aside to {aside[0].name}" in out
+    trainer.fit()
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, 13))
+    assert all(got[s] == want[s] for s in want), {s: (got[s], want[s]) for s in want if got[s] != want[s]}
+    # keep_last 3 counted the fresh step_9, never the damaged one, which is still there
+    assert [p.name for p in list_checkpoints(root)] == ["step_6", "step_9", "step_12"]
+    assert aside[0].is_dir() and latest_checkpoint(root) == root / "step_12"
+    # An explicit resume from the damaged directory stays an error naming it
+    with pytest.raises(CheckpointError, match=aside[0].name):
+        Trainer(recipe, run_dir=tmp_path / "again", resume_from=aside[0], progress=False)
+
+
+def test_recipe_drift_is_named_on_resume_and_a_new_shape_is_refused(tmp_path, fast_recipe, capsys):
+    recipe = fast_recipe(**{"logging.ckpt_interval": 3})
+    Trainer(recipe, run_dir=tmp_path, progress=False).fit(stop_after=6)
+    root = tmp_path / "checkpoints"
+    _damage(root / "step_6", "manifest-missing")
+    before = sorted(p.name for p in root.iterdir())
+    with pytest.raises(RecipeError, match=r"model\.overrides\.num_hidden_layers: \(not set\) -> 2"):
+        Trainer(fast_recipe(**{"model.overrides.num_hidden_layers": 2}), run_dir=tmp_path, resume_from="auto",
+                progress=False)
+    with pytest.raises(RecipeError, match=r"model\.preset: 'tiny' -> 'llama2-7b'"):
+        Trainer(fast_recipe(**{"model.preset": "llama2-7b"}), run_dir=tmp_path, resume_from="auto", progress=False)
+    assert sorted(p.name for p in root.iterdir()) == before  # nothing touched, the damaged one not even moved
+
+    capsys.readouterr()
+    changed = fast_recipe(**{"optim.lr": 1e-4, "optim.max_steps": 20, "logging.log_interval": 5,
+                             "distributed.timeout_seconds": 60})
+    Trainer(changed, run_dir=tmp_path, resume_from="auto", progress=False)
+    out = capsys.readouterr().out
+    assert f"optim.lr: {recipe.optim.lr} -> 0.0001" in out
+    assert "max_steps" not in out and "log_interval" not in out and "timeout_seconds" not in out

@@ -2,18 +2,26 @@
 
 from canntrain_core.checkpoint.dcp import (
     CheckpointError,
+    checkpoint_config,
+    checkpoint_recipe,
+    find_resumable,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
+    set_aside,
     verify_checkpoint,
 )
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_config",
+    "checkpoint_recipe",
+    "find_resumable",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "save_checkpoint",
+    "set_aside",
     "verify_checkpoint",
 ]

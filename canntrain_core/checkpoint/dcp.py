@@ -5,6 +5,7 @@ Layout of ``checkpoints/step_N/``::
     .metadata, __0_0.distcp ...   model + optimizer, DCP format (the same format serves sharded runs)
     trainer_state_rank{R}.pt      step, scheduler, sampler and RNG states of rank R
     recipe.resolved.yaml          the recipe that wrote it
+    config.json, tokenizer.json   the model's transformers config and the tokenizer (for export)
     manifest.json                 size and sha256 of every file above; written last
 
 Everything is written into ``checkpoints/.tmp-step_N-*`` and renamed into place only when
@@ -14,12 +15,14 @@ or whose files do not match it, is reported and skipped by ``resume_from: auto``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -34,14 +38,23 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from canntrain_core.errors import BadInput
 from canntrain_core.runtime.distributed import from_rank0, rank
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(BadInput, RuntimeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names the path and file."""
+
+
+@contextlib.contextmanager
+def single_process_ok():
+    """DCP warns when it runs without a process group; one process saving or loading is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier() -> None:
@@ -94,6 +107,24 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def checkpoint_recipe(path: str | Path) -> dict[str, Any]:
+    """The recipe a checkpoint was written with, as a dict (its schema may be older than this one)."""
+    f = Path(path) / "recipe.resolved.yaml"
+    try:
+        loaded = yaml.safe_load(f.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{f}: unreadable recipe ({e})") from None
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{f}: not a recipe (got {type(loaded).__name__})")
+    return loaded
+
+
+def checkpoint_config(path: str | Path) -> dict[str, Any] | None:
+    """The model's transformers config a checkpoint was written with (None for checkpoints older than that)."""
+    f = Path(path) / "config.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
 def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
     """step_N directories under ckpt_root, oldest first (complete or not)."""
     root = Path(ckpt_root)
@@ -103,15 +134,34 @@ def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
-    """The newest checkpoint that verifies; broken ones are reported and skipped."""
+def find_resumable(ckpt_root: str | Path) -> tuple[Path | None, list[tuple[Path, CheckpointError]]]:
+    """The newest checkpoint that verifies, and every damaged one newer than it (newest first)."""
+    damaged = []
     for path in reversed(list_checkpoints(ckpt_root)):
         try:
             verify_checkpoint(path)
-            return path
+            return path, damaged
         except CheckpointError as e:
-            warnings.warn(f"skipping {e}", stacklevel=2)
-    return None
+            damaged.append((path, e))
+    return None, damaged
+
+
+def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
+    """The newest checkpoint that verifies; damaged ones are never picked."""
+    return find_resumable(ckpt_root)[0]
+
+
+def set_aside(path: str | Path) -> Path:
+    """Rename a damaged checkpoint to ``step_N.damaged-<UTC time>`` beside it, so the run can write
+    a fresh step_N; it is never deleted (it may be the only evidence of what went wrong), and
+    neither listing, ``latest_checkpoint`` nor ``keep_last`` sees it again."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target, n = path.with_name(f"{path.name}.damaged-{stamp}"), 1
+    while target.exists():  # damaged twice within a second
+        target, n = path.with_name(f"{path.name}.damaged-{stamp}-{n}"), n + 1
+    os.rename(path, target)
+    return target
 
 
 def save_checkpoint(
@@ -120,14 +170,21 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
-    recipe_yaml: str,
+    files: dict[str, str],
     keep_last: int | None = None,
 ) -> Path:
-    """Write checkpoints/step_{step} atomically; keep only the newest ``keep_last``."""
+    """Write checkpoints/step_{step} atomically; keep only the newest ``keep_last``.
+
+    ``files``: small text files rank 0 writes beside the tensors (the recipe, the model's
+    config.json, the tokenizer), so the checkpoint alone can be resumed, checked and exported.
+    """
     root = Path(ckpt_root)
     final = root / f"step_{step}"
     if final.exists():
-        raise CheckpointError(f"{final} already exists; refusing to overwrite it")
+        raise CheckpointError(
+            f"{final} already exists (this run was resumed from an earlier checkpoint than the newest); "
+            "refusing to overwrite it: move it away, or resume with --resume-from auto"
+        )
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(from_rank0(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root) if rank() == 0 else None))
 
@@ -135,16 +192,17 @@ def save_checkpoint(
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
     }
-    with warnings.catch_warnings():  # single-process saves are intended, not a misconfiguration
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with single_process_ok():
         dcp.save(state, checkpoint_id=str(tmp))
     torch.save(trainer_state, tmp / f"trainer_state_rank{rank()}.pt")
     _barrier()
     if rank() == 0:
-        (tmp / "recipe.resolved.yaml").write_text(recipe_yaml)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
         _write_manifest(tmp, step)
         os.rename(tmp, final)  # atomic on one file system: step_N appears complete or not at all
         if keep_last:
+            # Only complete checkpoints count; damaged ones were renamed aside and are never deleted.
             complete = [p for p in list_checkpoints(root) if (p / MANIFEST).is_file()]
             for old in complete[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -163,8 +221,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
     }
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with single_process_ok():
         dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])

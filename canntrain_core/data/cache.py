@@ -17,13 +17,15 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from canntrain_core.errors import BadInput
+
 try:  # POSIX only; elsewhere ranks may build the same artifact twice, which is wasteful but safe.
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 
-class DataError(ValueError):
+class DataError(BadInput, ValueError):
     """A data problem the user can fix; the message names the recipe key or the file and line."""
 
 

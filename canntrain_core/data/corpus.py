@@ -46,6 +46,8 @@ class Corpus:
     files_hash: str
     # sha256 of names + contents: what cache keys use, so an edited file misses the cache.
     content_hash: str
+    # "name[:line]: reason" for each record or file left out as not usable text (data.on_bad_record).
+    bad_records: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def n_documents(self) -> int:
@@ -66,13 +68,18 @@ def load_corpus(
     text_field: str = "text",
     max_bytes: int | None = None,
     max_files: int | None = None,
+    on_bad_record: str = "error",
 ) -> Corpus:
     """Read the corpus named by ``data.source`` and apply the size caps.
 
-    ``source`` is ``"stdlib"``, a directory (every non-hidden UTF-8 text file below it,
-    recursively) or a ``.jsonl`` file with the text of each record under ``text_field``.
-    Raises :class:`DataError` naming ``data.source`` (or the file and line) on any problem.
+    ``source`` is ``"stdlib"``, a directory (every non-hidden text file below it, recursively)
+    or a ``.jsonl`` file with the text of each record under ``text_field``. A record or file that
+    is not usable text raises :class:`DataError` naming the file and line, or with
+    ``on_bad_record="skip"`` is left out and listed in ``Corpus.bad_records``. Any other problem
+    is a DataError naming ``data.source``.
     """
+    # The stdlib's deliberately non-UTF-8 test files are not the user's data: always skipped (and counted).
+    bad = _BadRecords("skip" if source == "stdlib" else on_bad_record)
     if source == "stdlib":
         root = stdlib_dir()
         candidates = _walk_files(root, suffixes=(".py",))
@@ -89,14 +96,14 @@ def load_corpus(
         if path.is_dir():
             candidates = _walk_files(path, suffixes=None)
         elif path.suffix == ".jsonl":
-            candidates = _jsonl_records(path, text_field)
+            candidates = _jsonl_records(path, text_field, bad)
         else:
             raise DataError(
                 f"data.source: {source!r} is a file but not a .jsonl file; give 'stdlib', "
                 "a directory of text files or a .jsonl file"
             )
 
-    docs = _select(candidates, max_bytes=max_bytes, max_files=max_files, source=source)
+    docs = _select(candidates, bad, max_bytes=max_bytes, max_files=max_files, source=source)
     docs.sort(key=lambda d: d.name)
     return Corpus(
         source=label,
@@ -104,14 +111,43 @@ def load_corpus(
         n_bytes=sum(d.n_bytes for d in docs),
         files_hash=_files_hash(docs),
         content_hash=_content_hash(docs),
+        bad_records=tuple(bad.found),
     )
+
+
+# ---------------------------------------------------------------------------- bad records
+
+
+class _Bad(Exception):
+    """A record or file that is not usable text. `name` is its Document name (relative path or
+    file:line), `where` how an error message names it (full path, line)."""
+
+    def __init__(self, name: str, where: str, reason: str):
+        super().__init__(reason)
+        self.name, self.where, self.reason = name, where, reason
+
+
+class _BadRecords:
+    """data.on_bad_record: "error" raises on the first bad record, "skip" collects them all."""
+
+    def __init__(self, policy: str):
+        if policy not in ("skip", "error"):
+            raise ValueError(f"on_bad_record must be 'skip' or 'error', got {policy!r}")
+        self.policy = policy
+        self.found: list[str] = []
+
+    def add(self, bad: _Bad) -> None:
+        if self.policy == "error":
+            raise DataError(f"{bad.where}: {bad.reason} (or set data.on_bad_record=skip to leave such records out)")
+        self.found.append(f"{bad.name}: {bad.reason}")
 
 
 # ---------------------------------------------------------------------------- candidates
 
-# A candidate is (name, size in bytes, read) where read() returns the text or None to skip it.
-# Reading is deferred so a capped corpus only reads the files it keeps.
-_Candidate = tuple[str, int, Callable[[], "str | None"]]
+# A candidate is (name, size in bytes, read) where read() returns the text or raises _Bad.
+# Reading is deferred so a capped corpus only reads the files it keeps (and only finds bad
+# files among those).
+_Candidate = tuple[str, int, Callable[[], str]]
 
 
 def _walk_files(root: Path, suffixes: tuple[str, ...] | None) -> list[_Candidate]:
@@ -130,52 +166,90 @@ def _walk_files(root: Path, suffixes: tuple[str, ...] | None) -> list[_Candidate
             if size == 0:
                 continue
             rel = full.relative_to(root).as_posix()
-            out.append((rel, size, _text_reader(full)))
+            out.append((rel, size, _text_reader(full, rel)))
     out.sort(key=lambda c: c[0])
     return out
 
 
-def _text_reader(path: Path) -> Callable[[], str | None]:
-    def read() -> str | None:
-        data = path.read_bytes()
-        if b"\x00" in data:  # binary file (e.g. an image or a .pyc) in a user directory
-            return None
+def _text_reader(path: Path, name: str) -> Callable[[], str]:
+    """Read `path` as UTF-8 text, or raise _Bad saying why it is not (binary, not UTF-8, unreadable)."""
+
+    def read() -> str:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise _Bad(name, str(path), f"cannot be read: {e.strerror or e}") from None
+        nul = data.find(b"\x00")
+        if nul >= 0:  # e.g. an image or a .pyc in a user directory
+            raise _Bad(name, str(path), f"a binary file (NUL byte at byte {nul}), not text")
         try:
             return data.decode("utf-8")
-        except UnicodeDecodeError:  # e.g. the stdlib's deliberately latin-1 test files
-            return None
+        except UnicodeDecodeError as e:  # e.g. latin-1 text, or the stdlib's deliberately non-UTF-8 test files
+            reason = f"not UTF-8 ({e.reason}, byte 0x{data[e.start]:02x} at byte {e.start})"
+            raise _Bad(name, str(path), reason) from None
 
     return read
 
 
-def _jsonl_records(path: Path, text_field: str) -> list[_Candidate]:
-    """Every record of a .jsonl file; a malformed line is an error naming file and line."""
+def _jsonl_records(path: Path, text_field: str, bad: _BadRecords) -> list[_Candidate]:
+    """Every record of a .jsonl file; a line that is not a usable record goes to `bad`."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"data.source: {path} cannot be read: {e.strerror or e}") from None
     out: list[_Candidate] = []
-    with open(path, encoding="utf-8") as f:
+    offset = 0
+    for lineno, raw in enumerate(data.splitlines(keepends=True), start=1):
+        start, offset = offset, offset + len(raw)
         try:
-            lines = list(f)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
+            text = _record_text(raw, start, text_field)
+        except _NotARecord as e:
+            bad.add(_Bad(f"{path.name}:{lineno}", f"{path}, line {lineno}", str(e)))
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}, line {lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
-        if text_field not in record:
-            raise DataError(
-                f"{path}, line {lineno}: record has no key {text_field!r} (set data.text_field; "
-                f"keys here: {', '.join(sorted(record)) or 'none'})"
-            )
-        text = record[text_field]
-        if not isinstance(text, str):
-            raise DataError(f"{path}, line {lineno}: {text_field!r} must be a string, got {type(text).__name__}")
         if text:
             out.append((f"{path.name}:{lineno}", len(text.encode("utf-8")), lambda t=text: t))
     return out
+
+
+class _NotARecord(ValueError):
+    """Why one JSONL line is not a usable record."""
+
+
+def _record_text(raw: bytes, start: int, text_field: str) -> str:
+    """The text of the JSONL line `raw` (which starts at byte `start` of the file); '' for a blank line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _NotARecord(f"not valid UTF-8 ({e.reason} at byte {start + e.start})") from None
+    if start == 0:
+        line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
+    if not line.strip():
+        return ""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise _NotARecord(f"invalid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise _NotARecord(f"expected a JSON object, got {_json_type(record)}")
+    if text_field not in record:
+        raise _NotARecord(
+            f"record has no key {text_field!r} (set data.text_field; keys here: {', '.join(sorted(record)) or 'none'})"
+        )
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise _NotARecord(f"{text_field!r} must be a string, got {_json_type(text)}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON can spell one half of a surrogate pair ("\ud800"): not text
+        char = f"U+{ord(text[e.start]):04X} at character {e.start}"
+        raise _NotARecord(f"{text_field!r} holds a lone surrogate ({char})") from None
+    return text
+
+
+def _json_type(value: object) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 # ---------------------------------------------------------------------------- selection
@@ -186,7 +260,7 @@ def _spread_order(name: str) -> str:
 
 
 def _select(
-    candidates: Iterable[_Candidate], *, max_bytes: int | None, max_files: int | None, source: str
+    candidates: Iterable[_Candidate], bad: _BadRecords, *, max_bytes: int | None, max_files: int | None, source: str
 ) -> list[Document]:
     """All readable candidates, or, under a cap, a deterministic spread-out subset.
 
@@ -204,20 +278,34 @@ def _select(
             break
         if max_bytes is not None and total + size > max_bytes:
             continue
-        text = read()
+        try:
+            text = read()
+        except _Bad as b:
+            bad.add(b)
+            continue
         if not text:
             continue
         docs.append(Document(name, text))
         total += len(text.encode("utf-8"))
     if not docs:
-        if candidates and max_bytes is not None:
-            smallest = min(c[1] for c in candidates)
-            raise DataError(
-                f"data.max_bytes={max_bytes} is smaller than every document in {source!r} "
-                f"(the smallest has {smallest} bytes)"
-            )
-        raise DataError(f"data.source: no UTF-8 text documents found in {source!r}")
+        raise _empty_corpus(candidates, bad, max_bytes, source)
     return docs
+
+
+def _empty_corpus(candidates: list[_Candidate], bad: _BadRecords, max_bytes: int | None, source: str) -> DataError:
+    """Why nothing was selected, said before a tokenizer would train on nothing."""
+    smallest = min((c[1] for c in candidates), default=0)
+    if max_bytes is not None and smallest > max_bytes:
+        return DataError(
+            f"data.max_bytes={max_bytes} is smaller than every document in {source!r} "
+            f"(the smallest has {smallest} bytes)"
+        )
+    if bad.found:
+        shown = "; ".join(bad.found[:3]) + ("; ..." if len(bad.found) > 3 else "")
+        return DataError(
+            f"data.source: no usable documents in {source!r}: skipped {len(bad.found)} bad record(s)/file(s): {shown}"
+        )
+    return DataError(f"data.source: no UTF-8 text documents found in {source!r}")
 
 
 def _files_hash(docs: list[Document]) -> str:

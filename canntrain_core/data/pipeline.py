@@ -20,7 +20,7 @@ from canntrain_core.data.corpus import load_corpus
 from canntrain_core.data.dataset import PackedDataset
 from canntrain_core.data.pretokenize import pretokenize
 from canntrain_core.data.sampler import ResumableSampler
-from canntrain_core.data.tokenizer import get_tokenizer
+from canntrain_core.data.tokenizer import TrainedTokenizer, get_tokenizer
 from canntrain_core.recipe import DataConfig
 
 
@@ -85,12 +85,24 @@ class DataBundle:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-def build_data(cfg: DataConfig, seed: int, dp_rank: int = 0, dp_size: int = 1) -> DataBundle:
-    """Build (or load from cache) the tokenizer and token files for `cfg`; see the module docstring."""
+def build_data(cfg: DataConfig, seed: int, dp_rank: int = 0, dp_size: int = 1,
+               tokenizer: TrainedTokenizer | None = None, vocab_size: int | None = None) -> DataBundle:
+    """Build (or load from cache) the tokenizer and token files for `cfg`; see the module docstring.
+
+    ``tokenizer``: one that came with a pretrained model (``model.init_from``), used instead of
+    training one; ``vocab_size``: the model's embedding rows when they do not come from
+    ``cfg.tokenizer.vocab_size`` (init_from).
+    """
     start = time.perf_counter()
+    if vocab_size is not None:
+        cfg = cfg.model_copy(update={"tokenizer": cfg.tokenizer.model_copy(update={"vocab_size": vocab_size})})
     cache_dir = resolve_cache_dir(cfg.cache_dir)
-    corpus = load_corpus(cfg.source, text_field=cfg.text_field, max_bytes=cfg.max_bytes, max_files=cfg.max_files)
-    tok = get_tokenizer(corpus, cfg.tokenizer, cache_dir)
+    corpus = load_corpus(cfg.source, text_field=cfg.text_field, max_bytes=cfg.max_bytes, max_files=cfg.max_files,
+                         on_bad_record=cfg.on_bad_record)
+    tok = tokenizer or get_tokenizer(corpus, cfg.tokenizer, cache_dir)
+    if tok.tokenizer.get_vocab_size() > cfg.tokenizer.vocab_size:
+        raise DataError(f"{tok.path}: the tokenizer has {tok.tokenizer.get_vocab_size()} tokens, more than the "
+                        f"model's {cfg.tokenizer.vocab_size} embedding rows (vocab_size)")
     pre = pretokenize(corpus, tok, cfg.tokenizer.vocab_size, cfg.val_fraction, cache_dir)
     meta = pre.meta
 
@@ -111,6 +123,10 @@ def build_data(cfg: DataConfig, seed: int, dp_rank: int = 0, dp_size: int = 1) -
         "corpus_bytes": corpus.n_bytes,
         "corpus_files_hash": corpus.files_hash,
         "corpus_hash": corpus.content_hash,
+        # Records / files left out as not usable text (data.on_bad_record), with the first few named.
+        "bad_records": len(corpus.bad_records),
+        "bad_record_examples": list(corpus.bad_records[:10]),
+        "tokenizer_source": "given" if tokenizer is not None else "trained",
         "tokenizer_path": str(tok.path),
         "tokenizer_hash": tok.sha256,
         "tokenizer_cache_hit": tok.cache_hit,

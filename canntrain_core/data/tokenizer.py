@@ -94,3 +94,25 @@ def get_tokenizer(corpus: Corpus, cfg: TokenizerConfig, cache_dir: Path) -> Trai
     if eos_id is None:  # a hand-edited or foreign file in the cache
         raise ValueError(f"{path}: tokenizer has no {EOS_TOKEN} token; delete the file to retrain")
     return TrainedTokenizer(tok, path, sha256_text(text), eos_id, hit, time.perf_counter() - start)
+
+
+def pretrained_tokenizer(init_from: str | None, config) -> dict:
+    """``build_data``'s extra arguments for a model from a Hugging Face directory (``model.init_from``):
+    its own tokenizer.json when it has one, and the model's vocabulary size either way."""
+    from canntrain_core.data.cache import DataError
+    from canntrain_core.models.hf import tokenizer_eos
+
+    if not init_from:
+        return {}
+    path = Path(init_from) / "tokenizer.json"
+    if not path.is_file():
+        return {"vocab_size": config.vocab_size}
+    start = time.perf_counter()
+    text = path.read_text(encoding="utf-8")
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise DataError(f"{path}: not a tokenizers tokenizer.json ({e})") from None
+    eos_id = tokenizer_eos(init_from, config, tok)
+    given = TrainedTokenizer(tok, path, sha256_text(text), eos_id, True, time.perf_counter() - start)
+    return {"tokenizer": given, "vocab_size": config.vocab_size}

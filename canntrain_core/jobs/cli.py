@@ -25,9 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from canntrain_core.jobs.papermill_runner import (
-        NotebookFailed, describe_run, parse_parameter, run_notebook, run_notebook_ranks,
-    )
+    from canntrain_core.jobs.papermill_runner import describe_run, parse_parameter, run_notebook, run_notebook_ranks
 
     params = {name: parse_parameter(value) for name, value in args.parameter}
     multi_node = [f"--{k}={getattr(args, k)}" for k in ("nnodes", "node_rank", "master_addr", "master_port")
@@ -35,13 +33,10 @@ def run(args: argparse.Namespace) -> int:
     if multi_node and not args.nproc_per_node:
         print("canntrain run: --nnodes/--node_rank/--master_* need --nproc_per_node", file=sys.stderr)
         return 2
-    try:
-        if args.nproc_per_node:
-            out = run_notebook_ranks(args.notebook, args.nproc_per_node, args.run_dir, params, multi_node or None)
-        else:
-            out = run_notebook(args.notebook, args.run_dir, params)
-    except (NotebookFailed, FileNotFoundError) as e:
-        print(f"canntrain run: {e}", file=sys.stderr)
-        return 1
+    # A failing cell (NotebookFailed, exit 1) or a missing notebook (exit 2) leaves through canntrain_core.cli.
+    if args.nproc_per_node:
+        out = run_notebook_ranks(args.notebook, args.nproc_per_node, args.run_dir, params, multi_node or None)
+    else:
+        out = run_notebook(args.notebook, args.run_dir, params)
     print(describe_run(out.parent))
     return 0

@@ -8,10 +8,11 @@ from typing import Any
 
 import yaml
 
+from canntrain_core.errors import BadInput, CanntrainError
 from canntrain_core.train.metrics import read_metrics
 
 
-class NotebookFailed(RuntimeError):
+class NotebookFailed(CanntrainError, RuntimeError):
     """A cell raised; the message names the cell and the error, and where the executed notebook is."""
 
 
@@ -52,7 +53,7 @@ def run_notebook(notebook: str | Path, run_dir: str | Path | None = None,
     """
     nb = Path(notebook).resolve()
     if not nb.is_file():
-        raise FileNotFoundError(f"{notebook}: no such notebook")
+        raise BadInput(f"{notebook}: no such notebook")
     run_dir = Path(run_dir or default_run_dir(nb)).resolve()
     return execute(nb, run_dir / nb.name, {"run_dir": str(run_dir), **(parameters or {})}, progress)
 
@@ -70,7 +71,7 @@ def run_notebook_ranks(notebook: str | Path, nproc_per_node: int, run_dir: str |
 
     nb = Path(notebook).resolve()
     if not nb.is_file():
-        raise FileNotFoundError(f"{notebook}: no such notebook")
+        raise BadInput(f"{notebook}: no such notebook")
     run_dir = Path(run_dir or default_run_dir(nb)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     launch = torchrun_args or ["--standalone"]

@@ -12,7 +12,8 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from canntrain_core.recipe import RecipeError, load_recipe
+from canntrain_core.errors import BadInput
+from canntrain_core.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "scripts" / "slurm" / "pretrain.sbatch"
@@ -21,7 +22,7 @@ GRES = {"npu": "npu", "cuda": "gpu", "cpu": None}
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
 
 
-class SlurmError(ValueError):
+class SlurmError(BadInput, ValueError):
     """Arguments that cannot make a valid job (the message says which and why)."""
 
 

@@ -19,16 +19,19 @@ _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def measure_real(shape: ModelShape, s: TrainSetup, steps: int = 2, device: str | None = None) -> dict[str, object]:
     """Run ``steps`` single-device steps for real; return {"device", "peak_bytes", "kind"}."""
-    from canntrain_core.models.registry import build_model
+    from canntrain_core.models.lifecycle import build_training_model
+    from canntrain_core.models.registry import build_config
+    from canntrain_core.recipe import load_recipe
     from canntrain_core.runtime.accelerator import get_accelerator
-    from canntrain_core.train.loss import causal_lm_loss
 
     if s.world_size != 1:
         raise NotImplementedError("measure_real runs one device; use measure_fake for sharded layouts")
     if shape.num_params() > 2e9:
         raise ValueError(f"measure_real: {shape.num_params() / 1e9:.1f} B parameters is not a small model")
     acc = get_accelerator(device)
-    model = build_model("tiny", llama_overrides(shape), device=acc.device)
+    recipe = load_recipe(None, {"model.overrides": llama_overrides(shape), "model.precision": s.precision,
+                                "model.activation_checkpointing": s.recompute})
+    model = build_training_model(recipe, build_config("tiny", recipe.model.overrides), acc.device).model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     ids = torch.randint(0, shape.vocab_size, (s.micro_batch, s.seq_length), device=acc.device)
     amp = acc.autocast(s.precision) if s.precision != "fp32" else contextlib.nullcontext()
@@ -36,7 +39,7 @@ def measure_real(shape: ModelShape, s: TrainSetup, steps: int = 2, device: str |
     for _ in range(steps):
         for _ in range(s.grad_accum):
             with amp:
-                loss = causal_lm_loss(model, ids, ids)
+                loss = model(ids, ids)
             loss.backward()
         opt.step()
         opt.zero_grad()

@@ -22,8 +22,8 @@ from typing import Any, Callable
 import torch
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
-import kernels
-from kernels.registry import Selection
+import canntrain_kernels as kernels
+from canntrain_kernels.registry import Selection
 
 _PRECISION_DTYPES = {"fp32": ("fp32",), "bf16": ("fp32", "bf16"), "fp16": ("fp32", "fp16")}
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kernels.reference import plain_cross_entropy
+from canntrain_kernels.reference import plain_cross_entropy
 
 
 class CausalLM(nn.Module):

@@ -70,6 +70,22 @@ def build_config(preset: str, overrides: dict[str, Any] | None = None, vocab_siz
     return config
 
 
+def model_config(m, vocab_size: int | None = None) -> LlamaConfig:
+    """The architecture a recipe's ``model`` section describes: ``model.init_from``'s config.json
+    (checked against a preset set explicitly and against ``model.overrides``), else the preset with
+    overrides and the tokenizer's ``vocab_size``."""
+    if m.init_from:
+        from pathlib import Path
+
+        from canntrain_core.models.hf import check_against_recipe, read_config
+
+        config = read_config(m.init_from)
+        preset = PRESETS[m.preset] if "preset" in m.model_fields_set else None
+        check_against_recipe(config, preset, m.overrides, Path(m.init_from))
+        return config
+    return build_config(m.preset, m.overrides, vocab_size)
+
+
 def build_model(
     preset: str,
     overrides: dict[str, Any] | None = None,
@@ -77,7 +93,9 @@ def build_model(
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
-    """Randomly initialised Llama of a preset. ``device="meta"`` builds the shape only (any size)."""
+    """A transformers-initialised Llama of a preset on one device, for kernel tests and as the
+    transformers baseline in benchmarks. Training builds through ``models.lifecycle`` instead (on
+    meta, sharded, then each rank fills its own part). ``device="meta"`` builds the shape only."""
     config = build_config(preset, overrides, vocab_size)
     if torch.device(device).type == "meta":
         with torch.device("meta"):

@@ -43,12 +43,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from canntrain_core.errors import BadInput
+
 VERSIONS = ("1.0",)
 PLACEHOLDER_KEY = "canntrain_placeholder_device_ips"
 MAX_DEVICES_PER_NODE = 16  # Atlas servers carry 8 NPUs (16 on some A3 boxes)
 
 
-class RankTableError(ValueError):
+class RankTableError(BadInput, ValueError):
     """A rank table, or the input for one, is wrong. ``problems`` lists every problem found."""
 
     def __init__(self, problems: list[str], source: str = "rank table"):

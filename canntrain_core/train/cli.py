@@ -25,22 +25,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from canntrain_core.checkpoint import CheckpointError
-    from canntrain_core.data import DataError
+    # Expected failures (bad recipe, data, checkpoint, run directory; out of memory) propagate as
+    # CanntrainError: canntrain_core.cli prints them as one line and exits with their code.
     from canntrain_core.recipe import load_recipe
-    from canntrain_core.train.trainer import OutOfMemory, RunDirError, Trainer
+    from canntrain_core.train.trainer import Trainer
 
     recipe = load_recipe(args.recipe, args.overrides)
     print(recipe.summary())
-    try:
-        trainer = Trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
-    except (RunDirError, CheckpointError, DataError) as e:
-        print(f"canntrain train: {e}")
-        return 2
-    try:
-        result = trainer.fit()
-    except OutOfMemory as e:
-        print(f"canntrain train: {e}")
-        return 3
-    print(result)
+    trainer = Trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
+    print(trainer.fit())
     return 0

@@ -7,7 +7,7 @@ full fp32 logits. The loss itself is computed by CausalLM's forward (see models/
 
 from __future__ import annotations
 
-from kernels.reference import plain_cross_entropy
+from canntrain_kernels.reference import plain_cross_entropy
 
 
 def causal_lm_loss(model, input_ids, targets, cross_entropy=plain_cross_entropy):

@@ -6,6 +6,7 @@ mesh (pp, dp_replicate, dp_shard, cp, tp), `parallelize` applies it, and only ra
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -18,12 +19,11 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from canntrain_core import checkpoint
-from canntrain_core.data import build_data
-from canntrain_core.models import build_config, build_model
-from canntrain_core.models.fused import apply_kernels, loss_cross_entropy
-from canntrain_core.models.lm import CausalLM
-from kernels.reference import plain_cross_entropy
-from canntrain_core.parallel import parallelize
+from canntrain_core.checkpoint.drift import check_resume
+from canntrain_core.data import build_data, pretrained_tokenizer
+from canntrain_core.errors import BadInput, OutOfMemory
+from canntrain_core.models.lifecycle import build_training_model
+from canntrain_core.models.registry import model_config
 from canntrain_core.parallel.clip import clip_grad_norm
 from canntrain_core.recipe import Recipe, RecipeError, save_resolved
 from canntrain_core.runtime import Accelerator, get_accelerator, seed_everything
@@ -35,13 +35,8 @@ from canntrain_core.train.optim import build_optimizer, build_scheduler
 from canntrain_core.viz.plots import plot_loss
 
 
-class RunDirError(RuntimeError):
+class RunDirError(BadInput):
     """The run directory holds an earlier run that this one would overwrite."""
-
-
-class OutOfMemory(RuntimeError):
-    """The device ran out of memory; the message compares the estimate with the capacity and
-    suggests the cheapest change that fits. Checkpoints already written stay intact."""
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -86,8 +81,8 @@ class Trainer:
         self.recipe = r = recipe
         self.acc = accelerator or get_accelerator()
         m, d = r.model, r.distributed
-        validate_layout(d, build_config(m.preset, m.overrides, r.data.tokenizer.vocab_size),
-                        int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
+        self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
+        validate_layout(d, config, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
         if m.precision == "fp16" and d.pipeline_parallel_size > 1:
             raise RecipeError("model.precision=fp16 with pipeline parallel is not supported; use bf16")
         init_distributed(self.acc, d)
@@ -103,7 +98,7 @@ class Trainer:
         if self.rank == 0:
             try:
                 found = self._resume_path(resume_from if resume_from is not None else r.resume_from)
-            except (RunDirError, checkpoint.CheckpointError) as e:
+            except BadInput as e:  # every rank raises it, none waits for the others forever
                 found = e
         found = from_rank0(found)
         if isinstance(found, Exception):
@@ -112,17 +107,17 @@ class Trainer:
 
         seed_everything(r.experiment.seed)
         self.dp = dp_coordinates(self.mesh, self.dims)  # (data-parallel rank, size)
-        self.data = build_data(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1])
-        hf_model = build_model(m.preset, m.overrides, self.data.vocab_size, r.experiment.seed, self.acc.device)
-        cross_entropy = plain_cross_entropy
-        if m.kernels != "eager" or m.kernel_overrides:
-            apply_kernels(hf_model, m, device=self.acc.type)
-            cross_entropy = loss_cross_entropy(m, device=self.acc.type)
-        # else kernels: eager keeps transformers' own modules and the plain loss (the registry's
-        # eager ops compute the same; its eager cross_entropy is the chunked one, slower on CPU).
-        self.model = CausalLM(hf_model, cross_entropy)
-        self.model_config = hf_model.config
-        self.schedule = parallelize(self.model, self.mesh, self.dims, r, self.acc.device)
+        self.data = build_data(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1],
+                               **pretrained_tokenizer(m.init_from, config))
+        if not m.init_from:  # the trained tokenizer's EOS, for generate() and an exported model
+            config.bos_token_id, config.eos_token_id = None, self.data.eos_id
+        built = build_training_model(r, config, self.acc.device, self.mesh, self.dims)
+        self.model, self.schedule = built.model, built.schedule
+        if self.rank == 0 and m.init_from:
+            given = self.data.info["tokenizer_source"] == "given"
+            print(f"model: {built.source} (the architecture from its config.json); tokenizer: "
+                  + ("its tokenizer.json (data.tokenizer settings do not apply)" if given else
+                     f"none there, trained on the corpus with the model's vocab_size {config.vocab_size}"))
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.has_loss = self.dims.pp == 1 or self.mesh.get_local_rank("pp") == self.dims.pp - 1
         self.optimizer = build_optimizer(self.model, r.optim)
@@ -140,6 +135,11 @@ class Trainer:
             self.metrics.truncate_after(-1)  # resume_from=auto found nothing: a fresh start
         if self.rank == 0:
             save_resolved(r, self.run_dir)
+            (self.run_dir / "data.json").write_text(json.dumps(self.data.info, indent=1))
+            # (the stdlib's deliberately non-UTF-8 test files are counted there too, not printed)
+            if self.data.info.get("bad_records") and r.data.source != "stdlib":
+                print(f"data: skipped {self.data.info['bad_records']} bad record(s) "
+                      f"(data.on_bad_record={r.data.on_bad_record}); see {self.run_dir / 'data.json'}")
 
     # ------------------------------------------------------------------ the loop
     def fit(self, stop_after: int | None = None) -> RunResult:
@@ -287,7 +287,9 @@ class Trainer:
         }
         return checkpoint.save_checkpoint(
             self.ckpt_root, self.step, self.model, self.optimizer, state,
-            self.recipe.to_yaml(), keep_last=self.recipe.logging.keep_last,
+            {"recipe.resolved.yaml": self.recipe.to_yaml(), "config.json": self.model_config.to_json_string(),
+             "tokenizer.json": self.data.tokenizer.to_str()},
+            keep_last=self.recipe.logging.keep_last,
         )
 
     def _load(self, path: Path) -> None:
@@ -311,13 +313,24 @@ class Trainer:
                     "Resume it with --resume-from auto (resume_from: auto), or choose a new --run-dir."
                 )
             return None
+        damaged = []
         if str(resume_from) == "auto":
-            path = checkpoint.latest_checkpoint(self.ckpt_root)
-            if path is None:
-                print(f"resume_from=auto: no complete checkpoint in {self.ckpt_root}; starting fresh")
-            return path
-        path = Path(resume_from)
-        checkpoint.verify_checkpoint(path)  # a bad explicit path is an error, not a silent fresh start
+            path, damaged = checkpoint.find_resumable(self.ckpt_root)
+            if path is None and not damaged:
+                print(f"resume_from=auto: no checkpoint in {self.ckpt_root}; starting fresh")
+        else:
+            path = Path(resume_from)
+            checkpoint.verify_checkpoint(path)  # a bad explicit path is an error, not a silent fresh start
+        if path is not None:  # refuses a recipe the checkpoint cannot load, before anything is touched
+            for line in check_resume(str(path), checkpoint.checkpoint_recipe(path), self.recipe,
+                                     checkpoint.checkpoint_config(path), self.model_config.to_dict()):
+                print(line)
+        for bad, error in damaged:  # set aside, so this run can write that step afresh
+            moved = checkpoint.set_aside(bad)
+            print(f"resume: {bad.name} is damaged ({str(error).removeprefix(f'{bad}: ')}); "
+                  f"moved it aside to {moved.name}")
+        if path is None and damaged:
+            print(f"resume_from=auto: no complete checkpoint left in {self.ckpt_root}; starting fresh")
         return path
 
     def result(self) -> RunResult:

@@ -1,0 +1,154 @@
+"""``canntrain export``: a canntrain checkpoint (DCP, any layout) to a Hugging Face model directory.
+
+Writes what transformers' ``save_pretrained`` writes for a Llama: ``config.json``,
+``generation_config.json``, ``model.safetensors`` or shards plus ``model.safetensors.index.json``,
+and the tokenizer as ``tokenizer.json`` + ``tokenizer_config.json``, so that plain
+``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)`` load it.
+
+The export never gathers the model: DCP's metadata says which tensors exist, and one output shard at
+a time (``--max-shard-size``) is read from the checkpoint's files, cast and written. A checkpoint
+written by 64 ranks exports in one process holding one shard; its tensors are the same bytes as an
+export of the same weights written by one rank, since DCP stores whole tensors' pieces, not layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from canntrain_core.checkpoint.dcp import CheckpointError, latest_checkpoint, single_process_ok, verify_checkpoint
+from canntrain_core.errors import BadInput
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000 (Hugging Face's units: GB decimal, GiB binary)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = (m.group(2) or "B").upper() if m else ""
+    if not m or unit not in _UNITS:
+        raise BadInput(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def resolve_checkpoint(source: str | Path) -> Path:
+    """A checkpoint directory, or a run directory's newest complete checkpoint."""
+    p = Path(source)
+    if (p / "checkpoints").is_dir():
+        found = latest_checkpoint(p / "checkpoints")
+        if found is None:
+            raise CheckpointError(f"{p}: no complete checkpoint under {p / 'checkpoints'}")
+        return found
+    verify_checkpoint(p)
+    return p
+
+
+def _layer_order(name: str) -> tuple:
+    # embeddings, then layers in numeric order, then the final norm and the head: how HF shards read
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"\.(\d+)\.", name))
+
+
+@dataclass
+class Export:
+    out: Path
+    checkpoint: Path
+    files: list[str]
+    tensors: int
+    bytes: int
+
+
+def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max_shard_size: str = "5GB") -> Export:
+    """Write the checkpoint ``source`` (or a run directory's newest) as a Hugging Face directory ``out``.
+
+    ``dtype``: bf16, fp16 or fp32; default the recipe's precision (fp32 weights stay fp32).
+    ``out`` must not exist yet (or be empty): nothing is ever overwritten; it appears complete or not at all.
+    """
+    import torch.distributed.checkpoint as dcp
+    import yaml
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import GenerationConfig, LlamaConfig
+
+    ckpt = resolve_checkpoint(source)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInput(f"{out}: already exists and is not empty; export into a new directory")
+    if not (ckpt / "config.json").is_file():
+        raise CheckpointError(f"{ckpt}: no config.json (written by an older canntrain); cannot export it")
+    recipe = yaml.safe_load((ckpt / "recipe.resolved.yaml").read_text())
+    dtype = dtype or {"bf16": "bf16", "fp16": "fp16"}.get(recipe["model"]["precision"], "fp32")
+    if dtype not in DTYPES:
+        raise BadInput(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    limit = parse_size(max_shard_size)
+    config = LlamaConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = DTYPES[dtype]
+
+    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    names = sorted((k.removeprefix("model.") for k in meta if k.startswith("model.")), key=_layer_order)
+    if config.tie_word_embeddings:
+        names = [n for n in names if n != "lm_head.weight"]  # transformers ties it back on load
+    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        nbytes = meta[f"model.{n}"].size.numel() * itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        weight_map, total, files = {}, 0, []
+        for i, group in enumerate(shards, start=1):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            part = {n: torch.empty(meta[f"model.{n}"].size, dtype=meta[f"model.{n}"].properties.dtype)
+                    for n in group}
+            with single_process_ok():
+                dcp.load({"model": part}, storage_reader=FileSystemReader(str(ckpt)))
+            part = {n: t.to(DTYPES[dtype]).contiguous() for n, t in part.items()}
+            save_file(part, str(tmp / fname), metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in part.values())
+            weight_map.update({n: fname for n in group})
+            files.append(fname)
+            del part
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        _write_tokenizer(ckpt, config, tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Export(out, ckpt, files, len(names), total)
+
+
+def _write_tokenizer(ckpt: Path, config, out: Path) -> None:
+    """tokenizer.json + tokenizer_config.json through transformers' own writer, so AutoTokenizer loads them."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if not (ckpt / "tokenizer.json").is_file():
+        return
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    eos_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    eos = tok.id_to_token(eos_id) if eos_id is not None else None
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos,
+                                   model_max_length=config.max_position_embeddings)
+    fast.save_pretrained(out)

@@ -1,0 +1,166 @@
+"""Hugging Face's format on the way in: a directory that transformers' ``save_pretrained`` wrote.
+
+``model.init_from: DIR`` reads ``DIR/config.json`` (the architecture), ``model.safetensors`` or the
+shards listed in ``model.safetensors.index.json`` (the weights), and ``tokenizer.json`` when present.
+Each rank reads only the slices it holds, straight into its (DTensor) shards, with torch's
+``HuggingFaceStorageReader`` under DCP. Nothing is ever fetched from the hub (``HF_HUB_OFFLINE``).
+
+Names: canntrain's module tree keeps transformers' own Llama names (``model.layers.3.mlp.up_proj.weight``,
+``lm_head.weight``), so the one table between the two, ``WRAPPERS``, only lists the wrapper modules
+that parallel training inserts and the Hugging Face names leave out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig
+
+from canntrain_core.errors import BadInput
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # canntrain never downloads (DESIGN: no downloads at run time)
+
+# Module names a wrapper inserts into parameter names; Hugging Face names are the names without them.
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class HFFormatError(BadInput):
+    """A Hugging Face directory that canntrain cannot read; the message names the file (and tensor)."""
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of one of our parameters (``named_parameters`` of a parallelized CausalLM)."""
+    for wrapper in WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def read_config(directory: str | Path) -> LlamaConfig:
+    """``DIR/config.json`` as a LlamaConfig; an HFFormatError naming the file for anything else."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise HFFormatError(f"model.init_from: {path} not found (a Hugging Face model directory holds config.json)")
+    try:
+        fields = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HFFormatError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(fields, dict):
+        raise HFFormatError(f"{path}: expected a JSON object, got {type(fields).__name__}")
+    if fields.get("model_type") != "llama":
+        raise HFFormatError(f"{path}: model_type {fields.get('model_type')!r}; canntrain builds llama models")
+    config = LlamaConfig.from_dict(fields)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def check_against_recipe(config: LlamaConfig, preset_fields: dict[str, Any] | None, overrides: dict[str, Any],
+                         source: Path) -> None:
+    """With init_from the file defines the model: a preset set explicitly, or an override, that says
+    otherwise is an error naming the field."""
+    problems = []
+    for key, want in (preset_fields or {}).items():
+        if key != "vocab_size" and getattr(config, key, None) != want:
+            problems.append(f"model.preset sets {key}={want}, {source / 'config.json'} has {getattr(config, key, None)}")
+    for key, want in overrides.items():
+        if getattr(config, key, None) != want:
+            problems.append(f"model.overrides.{key}={want!r}, {source / 'config.json'} has {getattr(config, key, None)!r}")
+    if problems:
+        raise BadInput("model.init_from: the recipe contradicts the checkpoint's config (with init_from the "
+                       "architecture comes from config.json; drop model.preset / model.overrides):\n  "
+                       + "\n  ".join(problems))
+
+
+def weight_files(directory: str | Path) -> dict[str, dict[str, Any]]:
+    """Every tensor in DIR's safetensors files: name -> {file, shape, dtype}, read from the headers only.
+
+    Uses the index when there is one (its files must all exist); a header that is not one is an
+    error naming the file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    d = Path(directory)
+    if (d / INDEX).is_file():
+        try:
+            files = sorted(set(json.loads((d / INDEX).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise HFFormatError(f"{d / INDEX}: not a safetensors index ({e!r})") from None
+    elif (d / SINGLE).is_file():
+        files = [SINGLE]
+    else:
+        raise HFFormatError(f"model.init_from: {d} holds neither {SINGLE} nor {INDEX}")
+    tensors: dict[str, dict[str, Any]] = {}
+    for name in files:
+        path = d / name
+        if not path.is_file():
+            raise HFFormatError(f"{d / INDEX}: lists {name}, which is missing from {d}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    s = f.get_slice(key)
+                    tensors[key] = {"file": name, "shape": list(s.get_shape()), "dtype": s.get_dtype()}
+        except (SafetensorError, OSError) as e:
+            raise HFFormatError(f"{path}: not a safetensors file ({e})") from None
+    # The reader below lists the directory itself: a stray .safetensors file would be read too.
+    stray = sorted(p.name for p in d.glob("*.safetensors") if p.name not in files)
+    if stray:
+        raise HFFormatError(f"{d}: {', '.join(stray)} not listed in {INDEX}; move it out of the directory")
+    return tensors
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, directory: str | Path) -> list[dict[str, Any]]:
+    """Fill every parameter of ``model`` (already materialized, possibly sharded) from DIR's safetensors.
+
+    Each rank reads only its own slice of each tensor. Returns, for this rank, one row per tensor:
+    name, file, global shape and the local slice it read (what the interop notebook tabulates).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from canntrain_core.checkpoint.dcp import single_process_ok
+    from torch.distributed.tensor import DTensor
+
+    d = Path(directory)
+    available = weight_files(d)
+    state = {hf_name(n): p for n, p in model.named_parameters()}
+    problems = []
+    for key, p in state.items():
+        if key not in available:
+            problems.append(f"{key}: missing from {d} (no safetensors file holds it)")
+        elif list(p.shape) != available[key]["shape"]:
+            problems.append(f"{key} in {available[key]['file']}: shape {available[key]['shape']}, "
+                            f"the model needs {list(p.shape)}")
+    if problems:
+        raise HFFormatError(f"model.init_from: {d} does not fit the model:\n  " + "\n  ".join(problems))
+    with single_process_ok():
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)))
+    rows = []
+    for key, p in state.items():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        rows.append({"tensor": key, "file": available[key]["file"], "shape": list(p.shape),
+                     "local": list(local.shape), "placements": str(getattr(p, "placements", "whole"))})
+    return rows
+
+
+def tokenizer_eos(directory: str | Path, config: LlamaConfig, tokenizer) -> int:
+    """The EOS id of DIR's tokenizer: tokenizer_config.json's eos_token, else config.json's eos_token_id."""
+    d = Path(directory)
+    eos = None
+    cfg_path = d / "tokenizer_config.json"
+    if cfg_path.is_file():
+        eos = json.loads(cfg_path.read_text()).get("eos_token")
+        if isinstance(eos, dict):  # {"content": "</s>", ...}
+            eos = eos.get("content")
+    eos_id = tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+    if eos_id is None:
+        eos_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    if eos_id is None:
+        raise HFFormatError(f"{d / 'tokenizer.json'}: no EOS token (neither tokenizer_config.json's eos_token nor "
+                            "config.json's eos_token_id); documents need one between them")
+    return int(eos_id)

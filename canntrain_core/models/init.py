@@ -1,0 +1,61 @@
+"""Deterministic, layout-independent initial weights for a model that is already sharded.
+
+Why per-parameter seeds, not "build on rank 0 and broadcast": every rank fills its own shards at
+once, with no traffic and no rank holding the whole model. Each parameter's full value is drawn from
+a generator seeded by (recipe seed, parameter name) on the rank's own device, the rank keeps its
+slice (``distribute_tensor(..., src_data_rank=None)`` slices locally, for any FSDP2 / TP placement)
+and drops the rest. So a rank holds its shards plus one full parameter at a time (the largest is
+the embedding: 32000 x 8192 x 4 B = 1 GiB for Llama-2 70B), and a model initialised under
+FSDP2 x TP2 on 4 ranks, or PP2, holds exactly what one process holds (same device type).
+
+The distributions are transformers' own for Llama: normal(0, initializer_range) for linear and
+embedding weights, ones for the RMSNorm weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from canntrain_core.models.hf import hf_name
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def initial_value(name: str, shape: torch.Size, std: float, seed: int, device: torch.device) -> torch.Tensor:
+    """The full fp32 initial value of the parameter called ``name`` (its Hugging Face name)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device=device)
+    generator = torch.Generator(device=device).manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, config, seed: int) -> None:
+    """Fill every parameter of a materialized (``to_empty``) model, one full parameter at a time."""
+    for name, p in model.named_parameters():
+        full = initial_value(hf_name(name), p.shape, config.initializer_range, seed, p.device)
+        if isinstance(p, DTensor):
+            full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        p.copy_(full)
+        del full
+
+
+@torch.no_grad()
+def reset_buffers(model: torch.nn.Module, config, device: torch.device) -> None:
+    """Recompute the non-persistent buffers (RoPE frequencies) that ``to_empty`` left uninitialised."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.device(device):
+        fresh = dict(LlamaRotaryEmbedding(config).named_buffers())
+    for module in model.modules():
+        if isinstance(module, LlamaRotaryEmbedding):
+            for name, buf in module.named_buffers():
+                buf.copy_(fresh[name])

@@ -1,0 +1,68 @@
+"""From a recipe to the right bytes on each device: the one sequence every trainer, notebook and
+benchmark builds a model for training through.
+
+1. build the transformers Llama on the ``meta`` device (shapes only: any size, no memory);
+2. route it through the recipe's kernels and wrap it as a CausalLM (the loss inside the root module);
+3. ``parallelize``: pipeline split, tensor parallel, recompute, compile, FSDP2 / DDP, still on meta;
+4. ``to_empty`` on the target device: each rank allocates only the shards it holds;
+5. fill them: ``model.init_from``'s safetensors (each rank reads its own slices), or the seeded,
+   layout-independent initialisation of ``models.init``; recompute the RoPE buffers.
+
+So a rank's memory never holds more than its own shards plus one full parameter, whatever the size
+of the model (``benchmarks/setup_memory.py`` measures it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from canntrain_core.models.fused import apply_kernels, loss_cross_entropy
+from canntrain_core.models.hf import load_weights
+from canntrain_core.models.init import init_weights, reset_buffers
+from canntrain_core.models.lm import CausalLM
+from canntrain_core.parallel import parallelize
+from canntrain_kernels.reference import plain_cross_entropy
+
+
+@dataclass
+class BuiltModel:
+    model: CausalLM
+    config: LlamaConfig
+    schedule: Any  # the pipeline schedule under pipeline parallel, else None
+    source: str  # where the weights came from, for the summary
+    loaded: list[dict[str, Any]] = field(default_factory=list)  # init_from: this rank's tensors and slices
+
+
+def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None) -> BuiltModel:
+    """Steps 1-5 above for ``recipe`` (its model, distributed and seed) on ``device``.
+
+    ``mesh`` and ``dims`` come from ``runtime.distributed``; leave them out on one device.
+    """
+    from canntrain_core.runtime.distributed import ParallelDims
+
+    m = recipe.model
+    dims = dims or ParallelDims.from_recipe(recipe.distributed)
+    with torch.device("meta"):
+        hf_model = LlamaForCausalLM(config)
+    cross_entropy = plain_cross_entropy
+    if m.kernels != "eager" or m.kernel_overrides:
+        apply_kernels(hf_model, m, device=device.type)
+        cross_entropy = loss_cross_entropy(m, device=device.type)
+    # else kernels: eager keeps transformers' own modules and the plain loss (the registry's
+    # eager ops compute the same; its eager cross_entropy is the chunked one, slower on CPU).
+    model = CausalLM(hf_model, cross_entropy)
+    schedule = parallelize(model, mesh, dims, recipe, device)
+    model.to_empty(device=device)
+    loaded: list[dict[str, Any]] = []
+    if m.init_from:
+        loaded = load_weights(model, m.init_from)
+        source = f"weights from {m.init_from}"
+    else:
+        init_weights(model, config, recipe.experiment.seed)
+        source = f"initialised from seed {recipe.experiment.seed}"
+    reset_buffers(model, config, device)
+    return BuiltModel(model, config, schedule, source, loaded)

@@ -1,0 +1,106 @@
+"""The npu backend: Ascend fused operators from torch_npu (CANN), each with its own backward.
+
+Signatures (torch_npu / op-plugin documentation):
+
+* ``torch_npu.npu_rms_norm(x, gamma, epsilon=1e-6) -> (y, rstd)``; gamma has x's dtype.
+* ``torch_npu.npu_rotary_mul(x, r1, r2, rotary_mode='half') -> y``: y = x*r1 + rotate_half(x)*r2,
+  x in BNSD with r1/r2 broadcastable as [B or 1, 1, S, D].
+* ``torch_npu.npu_swiglu(x, dim=-1) -> y``: x = [A, B] halves along dim, y = silu(A) * B.
+* ``torch_npu.npu_fusion_attention(q, k, v, head_num, input_layout, pse=None, padding_mask=None,
+  atten_mask=None, scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647,
+  inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, ...)
+  -> (out, softmax_max, softmax_sum, softmax_in, seed, offset, numels)``. atten_mask is True where
+  masked; sparse_mode 3 (right-down causal) and 4 (band, keeps i-pre <= j <= i+next) take the
+  compressed 2048x2048 upper-triangular mask. GQA: Hq must be a multiple of Hkv.
+
+torch_npu is imported on first use only; on a machine without it every kernel here is
+unavailable with the reason, and the registry never selects them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from canntrain_kernels import reference
+from canntrain_kernels.cross_entropy import chunked_cross_entropy
+from canntrain_kernels.registry import Kernel, register
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_npu():
+    return importlib.import_module("torch_npu")
+
+
+def _probe() -> str | None:
+    try:
+        _torch_npu()
+    except Exception as e:  # ImportError, or CANN libraries missing at load time
+        return f"torch_npu is not importable ({type(e).__name__}: {e})"
+    if not (hasattr(torch, "npu") and torch.npu.is_available()):
+        return "torch_npu imported but no NPU is visible"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm by npu_rms_norm; the weight is cast to x's dtype as the op requires."""
+    y, _rstd = _torch_npu().npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    return y.to(out_dtype)
+
+
+def apply_rotary(q, k, cos, sin):
+    """RoPE on q and k (BNSD) by npu_rotary_mul in 'half' mode, cos/sin broadcast over heads."""
+    npu = _torch_npu()
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return npu.npu_rotary_mul(q, cos.to(q.dtype), sin.to(q.dtype)), npu.npu_rotary_mul(
+        k, cos.to(k.dtype), sin.to(k.dtype)
+    )
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up by npu_swiglu on the packed [gate, up] tensor."""
+    return _torch_npu().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _compressed_causal_mask(device: str) -> torch.Tensor:
+    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+
+
+def attention(q, k, v, causal: bool = True, window: int | None = None, scale: float | None = None):
+    """Flash attention by npu_fusion_attention in BNSD layout, GQA native."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kwargs = dict(scale=scale, keep_prob=1.0)
+    if causal and window is None:
+        kwargs.update(atten_mask=_compressed_causal_mask(str(q.device)), sparse_mode=3)
+    elif causal:
+        # Band: key j is kept for query i when i - (window - 1) <= j <= i.
+        kwargs.update(
+            atten_mask=_compressed_causal_mask(str(q.device)),
+            sparse_mode=4,
+            pre_tockens=window - 1,
+            next_tockens=0,
+        )
+    elif window is not None:
+        keep = reference.attention_mask(q.shape[-2], k.shape[-2], False, window, device=q.device)
+        kwargs.update(atten_mask=~keep, sparse_mode=0)
+    out = _torch_npu().npu_fusion_attention(q, k, v, q.shape[1], "BNSD", **kwargs)
+    return out[0]
+
+
+def cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk_size: int | None = None):
+    """The chunked cross-entropy of the reference (matmul + logsumexp per chunk run as CANN ops)."""
+    return chunked_cross_entropy(hidden, weight, targets, ignore_index, chunk_size)
+
+
+for _op, _fn in {
+    "rms_norm": rms_norm,
+    "apply_rotary": apply_rotary,
+    "swiglu": swiglu,
+    "attention": attention,
+    "cross_entropy": cross_entropy,
+}.items():
+    register(Kernel(_op, "npu", _fn, devices=("npu",), probe=_probe, note="torch_npu"))

@@ -1,0 +1,184 @@
+"""Hugging Face in and out: a model written by transformers' own save_pretrained starts a canntrain run,
+and what canntrain exports loads back with transformers' own from_pretrained.
+
+Measured here (fp32, CPU): init_from logits equal transformers' to 0.0 in one process and 4.8e-7 under
+FSDP2 x TP2 on 4 gloo ranks (reduction order); export -> from_pretrained logits equal canntrain's to 0.0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from canntrain_core.cli import main
+from canntrain_core.data import build_data, pretrained_tokenizer
+from canntrain_core.data.tokenizer import new_byte_level_bpe
+from canntrain_core.errors import BadInput
+from canntrain_core.models.lifecycle import build_training_model
+from canntrain_core.models.registry import model_config
+from canntrain_core.recipe import load_recipe
+from canntrain_core.train.trainer import Trainer
+from conftest import ROOT
+
+VOCAB = 300
+LOGITS_TOL = 1e-5  # fp32; measured 0.0 (one process) and 4.8e-7 (4 ranks)
+IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def write_hf_model(path: Path, vocab: int = VOCAB, tokenizer_vocab: int = VOCAB) -> LlamaForCausalLM:
+    """A random tiny Llama and a byte-level BPE tokenizer, written by transformers' own save_pretrained."""
+    config = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path, max_shard_size="200KB")  # several shards and an index
+    tok = new_byte_level_bpe()
+    texts = [Path(p).read_text() for p in sorted((Path(os.__file__).parent / "json").glob("*.py"))]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=tokenizer_vocab, special_tokens=["</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    return path, write_hf_model(path)
+
+
+def recipe_from(hf_path, data_cache=None, **extra):
+    keys = {"model.init_from": str(hf_path), "experiment.seed": 7}
+    if data_cache:
+        keys.update({"data.cache_dir": data_cache, "data.max_bytes": 100_000, "data.seq_length": 32,
+                     "data.batch_size": 4, "optim.max_steps": 4, "optim.warmup_steps": 1,
+                     "logging.log_interval": 1, "logging.eval_interval": 4, "logging.eval_batches": 1,
+                     "logging.ckpt_interval": 4})
+    return load_recipe(None, {**keys, **extra})
+
+
+def test_init_from_gives_the_same_logits_as_transformers(hf_dir):
+    path, hf = hf_dir
+    recipe = recipe_from(path)
+    built = build_training_model(recipe, model_config(recipe.model), torch.device("cpu"))
+    assert len({row["file"] for row in built.loaded}) > 3  # read from several shards
+    with torch.no_grad():
+        assert (built.model(IDS) - hf(IDS).logits).abs().max() <= LOGITS_TOL
+
+
+def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(hf_dir, tmp_path):
+    """One torchrun launch: FSDP2 x TP2 and PP2 x FSDP2, seeded and from init_from (tests/_hf_ranks.py)."""
+    path, hf = hf_dir
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(ROOT / "tests" / "_hf_ranks.py"), str(path), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recipe = load_recipe(None, {"experiment.seed": 7, "model.overrides": {"vocab_size": VOCAB}})
+    single = build_training_model(recipe, model_config(recipe.model), torch.device("cpu")).model
+    want = {n: p.detach() for n, p in single.named_parameters()}
+    for layout in ("fsdp2_tp2", "pp2_fsdp2"):
+        got = {}
+        for rank in range(4):
+            got.update(torch.load(tmp_path / f"{layout}-init-rank{rank}.pt")["params"])
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[n], want[n]) for n in want), layout  # bit for bit
+    saved = torch.load(tmp_path / "fsdp2_tp2-hf-rank0.pt")
+    with torch.no_grad():
+        assert (saved["logits"] - hf(IDS).logits).abs().max() <= LOGITS_TOL
+    q = next(r for r in saved["loaded"] if r["tensor"] == "model.layers.0.self_attn.q_proj.weight")
+    assert q["shape"] == [128, 128] and q["local"] == [32, 128]  # a quarter: FSDP2 x TP2 slices, read as such
+
+
+def test_tokenizer_json_encodes_like_autotokenizer(hf_dir):
+    path, _ = hf_dir
+    config = model_config(recipe_from(path).model)
+    ours = pretrained_tokenizer(str(path), config)["tokenizer"]
+    theirs = AutoTokenizer.from_pretrained(path)
+    text = "def main(argv):\n    return {'a': [1, 2.5]}  # ünïcode\n"
+    assert ours.tokenizer.encode(text, add_special_tokens=False).ids == theirs.encode(text, add_special_tokens=False)
+    assert ours.eos_id == theirs.eos_token_id == 0
+
+
+def test_train_from_hf_then_export_loads_with_transformers(hf_dir, tmp_path, data_cache, capsys):
+    path, _ = hf_dir
+    trainer = Trainer(recipe_from(path, data_cache), run_dir=tmp_path / "run", progress=False)
+    assert "its tokenizer.json (data.tokenizer settings do not apply)" in capsys.readouterr().out
+    assert trainer.data.info["tokenizer_source"] == "given" and trainer.data.vocab_size == VOCAB
+    trainer.fit()
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "run"), "-o", str(out), "--max-shard-size", "300KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert (loaded(IDS).logits - trainer.model(IDS)).abs().max() <= LOGITS_TOL
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.encode("x = 1\n", add_special_tokens=False) == trainer.data.encode("x = 1\n")
+    # never overwritten
+    assert main(["export", str(tmp_path / "run"), "-o", str(out)]) == 2
+    assert "already exists and is not empty" in capsys.readouterr().err
+
+
+def _rewrite_shard_with_wrong_shape(d: Path) -> str:
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.up_proj.weight"
+    from safetensors.torch import load_file
+
+    tensors = load_file(d / index[name])
+    tensors[name] = torch.zeros(10, 10)
+    save_file(tensors, d / index[name], metadata={"format": "pt"})
+    return f"{name} in {index[name]}: shape [10, 10], the model needs [384, 128]"
+
+
+def _remove_a_shard(d: Path) -> str:
+    shard = sorted(d.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    return f"lists {shard.name}, which is missing"
+
+
+def _garble_a_header(d: Path) -> str:
+    shard = sorted(d.glob("model-*.safetensors"))[2]
+    shard.write_bytes(b"\xff" * 64)
+    return f"{shard}: not a safetensors file"
+
+
+@pytest.mark.parametrize("damage", [_rewrite_shard_with_wrong_shape, _remove_a_shard, _garble_a_header],
+                         ids=["wrong-shape", "missing-shard", "bad-header"])
+def test_a_damaged_hf_directory_is_named(tmp_path, damage):
+    write_hf_model(tmp_path)
+    fragment = damage(tmp_path)
+    recipe = recipe_from(tmp_path)
+    with pytest.raises(BadInput) as e:
+        build_training_model(recipe, model_config(recipe.model), torch.device("cpu"))
+    assert fragment in str(e.value)
+
+
+def test_a_recipe_that_contradicts_config_json_is_named(hf_dir, tmp_path, capfd):
+    path, _ = hf_dir
+    with pytest.raises(BadInput, match=r"model\.overrides\.num_hidden_layers=8.*config\.json has 4"):
+        model_config(recipe_from(path, **{"model.overrides.num_hidden_layers": 8}).model)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  preset: llama2-7b\n  init_from: {path}\n")
+    assert main(["train", str(recipe), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capfd.readouterr().err
+    assert "model.preset sets hidden_size=4096" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path, data_cache):
+    write_hf_model(tmp_path, vocab=280, tokenizer_vocab=VOCAB)
+    recipe = recipe_from(tmp_path, data_cache)
+    config = model_config(recipe.model)
+    with pytest.raises(BadInput, match=r"tokenizer.json: the tokenizer has 3\d\d tokens, more than the model's 280"):
+        build_data(recipe.data, seed=0, **pretrained_tokenizer(recipe.model.init_from, config))
