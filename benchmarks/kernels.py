@@ -24,7 +24,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.modules.pop("kernels", None) if getattr(sys.modules.get("kernels"), "__file__", "") == __file__ else None
 
 from canntrain_kernels import registry  # noqa: E402
-from canntrain_kernels.bench import backend_speed, cross_entropy_peak, train_step_throughput  # noqa: E402
+from canntrain_core.train.throughput import train_step_throughput  # noqa: E402
+from canntrain_kernels.bench import backend_speed, cross_entropy_peak  # noqa: E402
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:

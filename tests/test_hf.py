@@ -96,7 +96,7 @@ def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(hf_
     with torch.no_grad():
         assert (saved["logits"] - hf(IDS).logits).abs().max() <= LOGITS_TOL
     q = next(r for r in saved["loaded"] if r["tensor"] == "model.layers.0.self_attn.q_proj.weight")
-    assert q["shape"] == [128, 128] and q["local"] == [32, 128]  # a quarter: FSDP2 x TP2 slices, read as such
+    assert q["shape"] == [128, 128] and q["slice"] == "[0:32, 0:128]"  # rank 0's quarter: TP rows 0:64, FSDP half
 
 
 def test_tokenizer_json_encodes_like_autotokenizer(hf_dir):

@@ -11,7 +11,7 @@ import canntrain_kernels as kernels
 from canntrain_core.models.fused import FusedLlamaAttention, apply_kernels, describe, loss_cross_entropy
 from canntrain_core.models.registry import build_model
 from canntrain_core.recipe import ModelConfig
-from canntrain_core.train.loss import causal_lm_loss
+from canntrain_core.models.lm import causal_lm_loss
 
 VOCAB = 300
 

@@ -1,7 +1,7 @@
 """Saved-activation bytes of one transformer block, counted tensor by tensor.
 
 The counts follow what autograd keeps for the model code canntrain runs (transformers' Llama
-with sdpa, the loss in canntrain_core/train/loss.py), per token of one micro-batch:
+with sdpa, the loss in canntrain_core/models/lm.py), per token of one micro-batch:
 
 fp32 (no autocast), llama block::
 

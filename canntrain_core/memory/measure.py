@@ -82,7 +82,7 @@ class _LossModule(torch.nn.Module):
         self.model = model
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from canntrain_core.train.loss import causal_lm_loss
+        from canntrain_core.models.lm import causal_lm_loss
 
         return causal_lm_loss(self.model, ids, ids)
 

@@ -4,7 +4,7 @@
 subclass whose ``forward`` calls the ops chosen by the recipe (``model.kernels`` and
 ``model.kernel_overrides``). Parameters, buffers and state-dict keys stay exactly as they were,
 so checkpoints, FSDP and the optimizer see the same model. ``loss_cross_entropy`` returns the
-loss op for ``canntrain_core.train.loss.causal_lm_loss``::
+loss op for ``canntrain_core.models.lm.causal_lm_loss``::
 
     model = build_model(...)
     model = apply_kernels(model, recipe.model)

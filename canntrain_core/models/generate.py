@@ -28,3 +28,26 @@ def sample_text(model, data, prompt: str = "def ", max_new_tokens: int = 64, tem
                 break
     model.train(was_training)
     return data.decode(ids[0].tolist())
+
+
+@torch.no_grad()
+def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
+    """The most likely continuation of ``prompt_ids``, one argmax token at a time, stopping at EOS.
+
+    ``model`` maps token ids [1, T] to logits [1, T, V] (a CausalLM, or a wrapper around a transformers
+    model's ``.logits``). No KV cache: the whole sequence is re-run per token, which for the short
+    answers of tiny models costs less than it takes to explain.
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    was_training = model.training
+    model.eval()
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(model(ids)[0, -1].argmax())
+        out.append(nxt)
+        if nxt == eos_id:
+            break
+        ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
+    model.train(was_training)
+    return out

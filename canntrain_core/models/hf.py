@@ -118,13 +118,12 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> list[dict[str
     """Fill every parameter of ``model`` (already materialized, possibly sharded) from DIR's safetensors.
 
     Each rank reads only its own slice of each tensor. Returns, for this rank, one row per tensor:
-    name, file, global shape and the local slice it read (what the interop notebook tabulates).
+    name, file, full shape and the slice it read (the interop notebook tabulates them).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     from canntrain_core.checkpoint.dcp import single_process_ok
-    from torch.distributed.tensor import DTensor
 
     d = Path(directory)
     available = weight_files(d)
@@ -140,12 +139,19 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> list[dict[str
         raise HFFormatError(f"model.init_from: {d} does not fit the model:\n  " + "\n  ".join(problems))
     with single_process_ok():
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)))
-    rows = []
-    for key, p in state.items():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        rows.append({"tensor": key, "file": available[key]["file"], "shape": list(p.shape),
-                     "local": list(local.shape), "placements": str(getattr(p, "placements", "whole"))})
-    return rows
+    return [{"tensor": key, "file": available[key]["file"], "shape": list(p.shape), "slice": _slice(p)}
+            for key, p in state.items()]
+
+
+def _slice(p: torch.Tensor) -> str:
+    """The part of the full tensor this rank holds, e.g. ``[32:64, 0:128]``."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = tuple(p.shape), (0,) * p.dim()
+    if isinstance(p, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return "[" + ", ".join(f"{o}:{o + n}" for n, o in zip(shape, offset)) + "]"
 
 
 def tokenizer_eos(directory: str | Path, config: LlamaConfig, tokenizer) -> int:

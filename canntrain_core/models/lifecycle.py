@@ -37,10 +37,12 @@ class BuiltModel:
     loaded: list[dict[str, Any]] = field(default_factory=list)  # init_from: this rank's tensors and slices
 
 
-def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None) -> BuiltModel:
+def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None,
+                         fill: bool = True) -> BuiltModel:
     """Steps 1-5 above for ``recipe`` (its model, distributed and seed) on ``device``.
 
     ``mesh`` and ``dims`` come from ``runtime.distributed``; leave them out on one device.
+    ``fill=False`` skips step 5's weights (a resumed run loads every one of them from its checkpoint).
     """
     from canntrain_core.runtime.distributed import ParallelDims
 
@@ -58,7 +60,9 @@ def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh
     schedule = parallelize(model, mesh, dims, recipe, device)
     model.to_empty(device=device)
     loaded: list[dict[str, Any]] = []
-    if m.init_from:
+    if not fill:
+        source = "weights from the checkpoint it resumes"
+    elif m.init_from:
         loaded = load_weights(model, m.init_from)
         source = f"weights from {m.init_from}"
     else:

@@ -55,3 +55,9 @@ class CausalLM(nn.Module):
         if targets is None:
             return self.lm_head(h)
         return self.cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+
+
+def causal_lm_loss(model, input_ids, targets, cross_entropy=plain_cross_entropy):
+    """Mean next-token loss of a transformers *ForCausalLM on already-shifted targets
+    (targets[t] = input_ids[t+1]); the same computation the trainer's CausalLM runs."""
+    return CausalLM(model, cross_entropy)(input_ids, targets)

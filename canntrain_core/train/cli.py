@@ -33,5 +33,18 @@ def _train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     print(recipe.summary())
     trainer = Trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
-    print(trainer.fit())
+    result = trainer.fit()
+    if trainer.rank == 0:
+        _draw_loss(trainer.run_dir)
+    print(result)
     return 0
+
+
+def _draw_loss(run_dir) -> None:
+    """plots/loss.png from metrics.jsonl; a finished run never fails on its picture."""
+    try:
+        from canntrain_core.viz.plots import plot_loss
+
+        plot_loss([run_dir], run_dir / "plots" / "loss.png")
+    except Exception as e:  # matplotlib backends, fonts, a full disk: say so and move on
+        print(f"canntrain train: could not draw {run_dir / 'plots' / 'loss.png'}: {e}")

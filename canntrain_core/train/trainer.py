@@ -32,7 +32,6 @@ from canntrain_core.runtime.distributed import (
 )
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
-from canntrain_core.viz.plots import plot_loss
 
 
 class RunDirError(BadInput):
@@ -111,9 +110,10 @@ class Trainer:
                                **pretrained_tokenizer(m.init_from, config))
         if not m.init_from:  # the trained tokenizer's EOS, for generate() and an exported model
             config.bos_token_id, config.eos_token_id = None, self.data.eos_id
-        built = build_training_model(r, config, self.acc.device, self.mesh, self.dims)
+        built = build_training_model(r, config, self.acc.device, self.mesh, self.dims, fill=resume_path is None)
         self.model, self.schedule = built.model, built.schedule
-        if self.rank == 0 and m.init_from:
+        self.loaded_from = built.loaded  # init_from: this rank's tensors and the slices it read
+        if self.rank == 0 and m.init_from and resume_path is None:
             given = self.data.info["tokenizer_source"] == "given"
             print(f"model: {built.source} (the architecture from its config.json); tokenizer: "
                   + ("its tokenizer.json (data.tokenizer settings do not apply)" if given else
@@ -133,6 +133,10 @@ class Trainer:
             self._load(resume_path)
         elif self.rank == 0:
             self.metrics.truncate_after(-1)  # resume_from=auto found nothing: a fresh start
+        if self.loaded_from:  # each rank: which slice of which file it read
+            where = self.run_dir / "init_from"
+            where.mkdir(parents=True, exist_ok=True)
+            (where / f"rank{self.rank}.json").write_text(json.dumps(self.loaded_from, indent=0))
         if self.rank == 0:
             save_resolved(r, self.run_dir)
             (self.run_dir / "data.json").write_text(json.dumps(self.data.info, indent=1))
@@ -210,9 +214,7 @@ class Trainer:
             if record:  # evaluation and checkpoint time is not training throughput
                 window_start, window_steps = time.perf_counter(), 0
         bar.close()
-        if self.rank == 0:
-            plot_loss([self.run_dir], self.run_dir / "plots" / "loss.png")
-        return self.result()
+        return self.result()  # plots are drawn from metrics.jsonl by the CLI and the notebooks
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward over one optimizer step's micro-batches; returns the mean loss
