@@ -3,7 +3,7 @@
 
     python benchmarks/parallel_overhead.py [--nproc 2] [--steps 12]
 
-Every layout trains the tiny recipe (global batch 8 x 128 tokens, fp32, gloo) in one torchrun
+Every layout trains the tiny recipe (global batch 8 x 128 tokens, fp32 unless named, gloo) in one torchrun
 launch. Traffic is *measured* as bytes sent over the loopback interface (/proc/net/dev, `lo`: gloo
 talks TCP there), taking the difference between a run of --steps and one of --steps/3 so set-up,
 evaluation and checkpoint traffic cancel; it includes TCP/IP headers (a few %). The *estimate* is
@@ -29,6 +29,15 @@ LAYOUTS = {
     "tp2": {"distributed.tensor_parallel_size": 2},
     "tp2_sp": {"distributed.tensor_parallel_size": 2, "distributed.sequence_parallel": True},
     "pp2_1f1b": {"distributed.pipeline_parallel_size": 2, "data.batch_size": 4, "optim.grad_accum_steps": 2},
+    # gradient accumulation: the same global batch in 4 micro-batches per rank
+    "dp2_accum4": {"distributed.data_parallel_size": 2, "data.batch_size": 1, "optim.grad_accum_steps": 4},
+    "zero1_accum4": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 1,
+                     "data.batch_size": 1, "optim.grad_accum_steps": 4},
+    "fsdp2_accum4": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3,
+                     "data.batch_size": 1, "optim.grad_accum_steps": 4},
+    # bf16: FSDP2's MixedPrecisionPolicy gathers bf16 parameters (fp32 before it existed: see fsdp2)
+    "fsdp2_bf16": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4,
+                   "model.precision": "bf16"},
 }
 
 
@@ -102,7 +111,7 @@ def main() -> None:
         config = build_config(recipe.model.preset, recipe.model.overrides, recipe.data.tokenizer.vocab_size)
         est = a.nproc * sum(r["bytes"] for r in comm_per_step(
             config, ParallelDims.from_recipe(recipe.distributed), recipe.data.batch_size, recipe.data.seq_length,
-            recipe.optim.grad_accum_steps, recipe.distributed.zero_optimization, backend="gloo",
+            recipe.optim.grad_accum_steps, recipe.distributed.zero_optimization, recipe.model.precision, backend="gloo",
             sequence_parallel=recipe.distributed.sequence_parallel))
         measured = res["bytes_per_step"]
         print(f"| {name} | {res['tokens_per_second']:,.0f} | {res['tokens_per_second'] / single_tps:.2f} | "

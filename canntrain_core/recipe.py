@@ -148,6 +148,18 @@ class DistributedConfig(_Section):
     allow_cross_node_tp: bool = False
     # Micro-batches per pipeline step; None means grad_accum_steps (each accumulation step is one).
     num_microbatches: int | None = Field(None, gt=0)
+    # The device the recipe is sized for (a preset of canntrain_core/memory/devices.py, e.g. 910b):
+    # `canntrain estimate` checks against its memory, and the shipped recipes are tested to fit it.
+    target_device: str | None = None
+
+    @field_validator("target_device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        from canntrain_core.memory.devices import DEVICES
+
+        if v is not None and v.lower() not in DEVICES:
+            raise ValueError(f"unknown device {v!r}; presets: {', '.join(DEVICES)}")
+        return v
 
     @field_validator("zero_optimization", mode="before")
     @classmethod
@@ -211,6 +223,15 @@ class Recipe(_Section):
     @property
     def notes(self) -> tuple[str, ...]:
         return tuple(self._notes)
+
+    @model_validator(mode="after")
+    def _layout(self) -> "Recipe":
+        from canntrain_core.parallel.layout import Layout, layout_problems
+
+        problems = layout_problems(Layout.from_recipe(self))  # what needs no model; the trainer checks the rest
+        if problems:
+            raise ValueError("invalid parallel layout: " + "; ".join(problems))
+        return self
 
     # ---- derived values, computed from the keys above, never set by hand ----
     @property
@@ -330,7 +351,7 @@ def _format_errors(err: ValidationError, source: str, lines: dict[str, int], fro
             msg = e["msg"].removeprefix("Value error, ")
             if "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
                 msg += f" (got {e['input']!r})"
-        msgs.append(f"{where}: {key or '<root>'}: {msg}")
+        msgs.append(f"{where}: {key}: {msg}" if key else f"{where}: {msg}")
     return "invalid recipe:\n  " + "\n  ".join(msgs)
 
 

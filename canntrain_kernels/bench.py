@@ -1,4 +1,4 @@
-"""Op-level measurements shared by benchmarks/kernels.py and the fused-kernels notebook.
+"""Op-level measurements shared by benchmarks/kernel_speed.py and the fused-kernels notebook.
 
 * :func:`backend_speed`: forward+backward time of each backend vs eager, per op and shape.
 * :func:`cross_entropy_peak`: peak memory of the chunked vs the plain cross-entropy, fwd+bwd.

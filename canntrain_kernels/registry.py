@@ -2,7 +2,7 @@
 
 Every (op, backend) pair is a :class:`Kernel` registered by a module in ``kernels.backends``.
 ``get(op, backend)`` returns its function; ``backend="auto"`` walks the device's preference
-order (fastest first, as measured by ``benchmarks/kernels.py``) and returns the first backend
+order (fastest first, as measured by ``benchmarks/kernel_speed.py``) and returns the first backend
 that is available here *and* passes its numerics check (forward and backward against an fp64
 reference, :func:`kernels.check.verify`). A backend whose device or library is missing is never
 selected; asking for it by name raises :class:`KernelUnavailable` with the reason.
@@ -18,7 +18,7 @@ OPS = ("rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy")
 BACKENDS = ("npu", "cuda", "compile", "eager")
 CHOICES = ("auto",) + BACKENDS
 
-# Fastest first, per device type. CPU: benchmarks/kernels.py --threads 1 measured compile ahead of
+# Fastest first, per device type. CPU: benchmarks/kernel_speed.py --threads 1 measured compile ahead of
 # eager for every op at the tiny preset's training shapes (RMSNorm about 6x, RoPE, SwiGLU and
 # attention about 1.7-1.9x forward+backward, the chunked loss about 1.1x).
 AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {

@@ -20,7 +20,7 @@ from canntrain_core.runtime.rank_table import (PLACEHOLDER_KEY, build_rank_table
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_pretrain.sh"
 TINY = ROOT / "cookbook" / "llama" / "configs" / "tiny_pretrain.yaml"
-R70B = ROOT / "cookbook" / "llama" / "configs" / "70b_pretrain.yaml"  # world_size 16
+R70B = ROOT / "cookbook" / "llama" / "configs" / "70b_pretrain.yaml"  # world_size 32
 NODES = ["10.0.0.1", "10.0.0.2"]
 
 
@@ -157,12 +157,12 @@ def test_rank_table_cli_usage_errors(tmp_path, capsys):
 
 def test_slurm_render(tmp_path, capsys):
     out = tmp_path / "job.sbatch"
-    assert main(["slurm", str(R70B), "--nodes", "2", "--partition", "ascend", "--time", "12:00:00",
+    assert main(["slurm", str(R70B), "--nodes", "4", "--partition", "ascend", "--time", "12:00:00",
                  "--set", "optim.lr=2e-4", "-o", str(out)]) == 0
     text = out.read_text()
     header = [ln for ln in text.splitlines()[1:] if ln.strip()][:12]
     sbatch = [ln for ln in header if ln.startswith("#SBATCH")]
-    for line in ["#SBATCH --job-name=llama2_70b_pretrain", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+    for line in ["#SBATCH --job-name=llama2_70b_pretrain", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
                  "#SBATCH --gres=npu:8", "#SBATCH --partition=ascend", "#SBATCH --time=12:00:00"]:
         assert line in sbatch, line
     # every #SBATCH line comes before the first command, or sbatch ignores it
@@ -178,8 +178,8 @@ def test_slurm_render(tmp_path, capsys):
 
 @pytest.mark.parametrize("device, gres", [("cuda", "#SBATCH --gres=gpu:4"), ("cpu", None)])
 def test_slurm_gres_per_device(device, gres):
-    text = render(SlurmJob(str(R70B), nodes=4, devices_per_node=4, device_type=device))
-    assert "#SBATCH --nodes=4" in text
+    text = render(SlurmJob(str(R70B), nodes=8, devices_per_node=4, device_type=device))
+    assert "#SBATCH --nodes=8" in text
     assert (gres in text) if gres else ("--gres" not in text)
     assert "#SBATCH --time" not in text and "\n\nset -euo" not in text
 
@@ -187,13 +187,13 @@ def test_slurm_gres_per_device(device, gres):
 def test_slurm_rejects_world_size_mismatch(capsys):
     assert main(["slurm", str(R70B), "--nodes", "1"]) == 2
     err = capsys.readouterr().err
-    assert "distributed.world_size=16 but --nodes 1 x --devices-per-node 8 = 8 processes; use --nodes 2" in err
+    assert "distributed.world_size=32 but --nodes 1 x --devices-per-node 8 = 8 processes; use --nodes 4" in err
     with pytest.raises(SlurmError, match="--time must be HH:MM:SS"):
-        render(SlurmJob(str(R70B), nodes=2, time="12h"))
+        render(SlurmJob(str(R70B), nodes=4, time="12h"))
 
 
 def test_slurm_bad_recipe(capsys):
-    assert main(["slurm", str(R70B), "--nodes", "2", "--set", "distributed.bogus=1"]) == 2
+    assert main(["slurm", str(R70B), "--nodes", "4", "--set", "distributed.bogus=1"]) == 2
     assert "distributed.bogus: unknown key" in capsys.readouterr().err
 
 

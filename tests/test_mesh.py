@@ -5,7 +5,8 @@ import pytest
 from canntrain_core.memory.measure import fake_world
 from canntrain_core.models import build_config
 from canntrain_core.recipe import RecipeError, load_recipe
-from canntrain_core.runtime.distributed import ParallelDims, rank_coordinates, validate_layout
+from canntrain_core.parallel.layout import check_layout
+from canntrain_core.runtime.distributed import ParallelDims, rank_coordinates
 
 
 def test_rank_coordinates_match_init_device_mesh():
@@ -28,9 +29,12 @@ def test_zero_stage_picks_shard_or_replicate():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"distributed.world_size": 8, "distributed.tensor_parallel_size": 8},
-     "tensor_parallel_size=8 must divide the model's num_attention_heads=4"),
-    ({"distributed.world_size": 8, "distributed.pipeline_parallel_size": 8},
+     "tensor_parallel_size=8 must divide the model's 4 attention heads"),
+    ({"distributed.world_size": 8, "distributed.pipeline_parallel_size": 8, "optim.grad_accum_steps": 8},
      "pipeline_parallel_size=8 exceeds the model's 4 layers"),
+    ({"distributed.world_size": 2, "distributed.pipeline_parallel_size": 2},
+     "pipeline_parallel_size=2 needs at least 2 micro-batches per step, got 1"),
+    ({"optim.offload_optimizer": True}, "optim.offload_optimizer needs FSDP2"),
     ({"distributed.world_size": 4, "distributed.tensor_parallel_size": 2, "distributed.data_parallel_size": 2},
      "zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported"),
     ({"distributed.world_size": 2, "distributed.context_parallel_size": 2}, "context_parallel_size > 1"),
@@ -38,19 +42,19 @@ def test_zero_stage_picks_shard_or_replicate():
       "distributed.sequence_parallel": True}, "sequence_parallel with pipeline_parallel_size > 1"),
 ])
 def test_invalid_layouts_name_the_key(overrides, message):
-    recipe = load_recipe(None, overrides)
+    # what needs no model is refused by load_recipe already, the rest by the trainer's check
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate_layout(recipe.distributed, build_config("tiny"))
+        check_layout(load_recipe(None, overrides), build_config("tiny"))
 
 
 def test_tp_across_nodes_needs_consent():
     recipe = load_recipe(None, {"model.preset": "llama2-70b", "distributed.world_size": 16,
                                 "distributed.tensor_parallel_size": 16, "distributed.zero_optimization": 1})
     with pytest.raises(RecipeError, match="spans nodes of 8 devices"):
-        validate_layout(recipe.distributed, build_config("llama2-70b"), devices_per_node=8)
+        check_layout(recipe, build_config("llama2-70b"), devices_per_node=8)
     recipe.distributed.allow_cross_node_tp = True
-    with pytest.raises(RecipeError, match="must divide the model's num_key_value_heads=8"):
-        validate_layout(recipe.distributed, build_config("llama2-70b"), devices_per_node=8)
+    with pytest.raises(RecipeError, match="must divide the model's 8 KV heads"):
+        check_layout(recipe, build_config("llama2-70b"), devices_per_node=8)
 
 
 def test_world_size_must_match_the_launch(monkeypatch):

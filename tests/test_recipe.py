@@ -103,7 +103,7 @@ def test_resolved_recipe_round_trips(tmp_path):
     recipe = load_recipe(CONFIGS / "70b_pretrain.yaml", ["optim.lr=2e-4"])
     out = save_resolved(recipe, tmp_path)
     text = out.read_text()
-    assert "# derived" in text and "global_batch_size: 32" in text
+    assert "# derived" in text and "global_batch_size: 128" in text
     again = load_recipe(out)
     assert again == recipe
     assert yaml.safe_load(text)["optim"]["lr"] == 2e-4

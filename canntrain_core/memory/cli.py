@@ -15,7 +15,8 @@ def register(subparsers) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key, e.g. data.seq_length=4096 (repeatable)")
     p.add_argument("--measure", action="store_true", help="also run one step under FakeTensorMode and compare")
-    p.add_argument("--device-memory", default=None, help="capacity to check against: 64GiB, 80GB or a preset")
+    p.add_argument("--device-memory", default=None,
+                   help="capacity to check against: 64GiB, 80GB or a preset (default: the recipe's distributed.target_device)")
     p.add_argument("--json", action="store_true", help="print one JSON object (bytes per category per method)")
     p.set_defaults(func=run_estimate)
 
@@ -30,6 +31,8 @@ def register(subparsers) -> None:
     q.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     q.add_argument("--offload-optimizer", action="store_true")
     q.add_argument("--top", type=int, default=10, help="how many fitting plans to print")
+    q.add_argument("--show-skipped", action="store_true",
+                   help="also count the layouts the trainer refuses, by reason (they are never ranked)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=run_plan)
 
@@ -40,9 +43,13 @@ def run_estimate(args: argparse.Namespace) -> int:
     from canntrain_core.memory.setup import setup_from_recipe, shape_from_recipe
     from canntrain_core.recipe import load_recipe
 
+    from canntrain_core.parallel.layout import check_layout
+
     recipe = load_recipe(args.recipe, args.overrides)
     shape, setup = shape_from_recipe(recipe), setup_from_recipe(recipe)
-    cap = parse_bytes(args.device_memory) if args.device_memory else None
+    check_layout(recipe, shape)  # the estimate of a layout the trainer refuses would mislead
+    target = recipe.distributed.target_device
+    cap = parse_bytes(args.device_memory or target) if (args.device_memory or target) else None
     meas = None
     if args.measure:
         from canntrain_core.memory.measure import measure_fake
@@ -77,7 +84,9 @@ def run_plan(args: argparse.Namespace) -> int:
     cap = parse_bytes(args.device_memory) if args.device_memory else dev.memory_bytes
     shape = shape_from_preset(args.model)
     base = TrainSetup(precision=args.precision, seq_length=args.seq_length, offload_optimizer=args.offload_optimizer)
-    plans = search(shape, args.devices, dev, args.devices_per_node, args.global_batch, base, memory_bytes=cap)
+    skipped: dict[str, int] = {}
+    plans = search(shape, args.devices, dev, args.devices_per_node, args.global_batch, base, memory_bytes=cap,
+                   skipped=skipped)
     fitting = [p for p in plans if p.fits]
     suggestions = [] if fitting else suggest_when_nothing_fits(
         shape, args.devices, dev, args.devices_per_node, args.global_batch, base, cap)
@@ -85,11 +94,17 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"model": args.model, "devices": args.devices, "capacity": int(cap),
                           "plans": [p.to_dict() for p in fitting],
                           "infeasible": [p.to_dict() for p in plans if not p.fits],
+                          "refused": skipped,
                           "suggestions": suggestions}, indent=2))
         return 0 if fitting else 1
     print(f"{args.model}: {shape.num_params() / 1e9:.1f} B params on {args.devices} x {cap / GiB:.0f} GiB "
           f"({dev.name}), seq {args.seq_length}, global batch {args.global_batch}")
-    print(f"{len(plans)} layouts, {len(fitting)} fit")
+    print(f"{len(plans)} layouts the trainer accepts, {len(fitting)} fit"
+          + ("" if args.show_skipped or not skipped else " (others refused by the layout validator: --show-skipped)"))
+    if args.show_skipped:
+        print("refused by the layout validator (count: reason):")
+        for why, n in sorted(skipped.items(), key=lambda kv: -kv[1]):
+            print(f"  {n:5d}: {why}")
     if not fitting:
         print("nothing fits:")
         for line in suggestions:

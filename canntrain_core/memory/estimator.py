@@ -142,10 +142,20 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     half_w = s.precision != "fp32" and s.weights == "half"
     p_b, g_b = (2, 2) if half_w else (4, 4)
     o_b = 12 if half_w else 8  # (fp32 master +) AdamW m and v
-    div_p = shard if s.zero >= 3 else 1
-    div_g = shard if s.zero >= 2 else 1
+    # FSDP2 (parallel/data_parallel.py): fp32 masters sharded at rest; compute copies gathered in
+    # 16 bits (MixedPrecisionPolicy) or fp32, kept from forward to backward by ZeRO-1/2 and pipelines;
+    # gradients reduce-scattered after each micro-batch, except that ZeRO-1 under accumulation and
+    # pipeline schedules accumulate them unsharded (fp32) until the step's last micro-batch.
+    fsdp = s.zero >= 1 and shard > 1
+    mp = fsdp and s.precision != "fp32"
+    c_b = 2 if mp else p_b  # bytes of a gathered parameter
+    keeps_gathered = fsdp and (s.zero < 3 or s.pp > 1)
+    full_grads = fsdp and (s.pp > 1 or (s.zero == 1 and s.microbatches > 1))
+    div_p = shard if fsdp else 1
+    div_g = shard if fsdp and not full_grads else 1
     div_o = shard if s.zero >= 1 else 1
     params = p_b * elems // div_p
+    gathered = c_b * elems if keeps_gathered else 0  # only between forward and the last backward
     grads = g_b * trainable // div_g
     opt = o_b * trainable // div_o
     # step temporaries: foreach=False keeps the previous tensor's denominator while computing the next
@@ -156,10 +166,12 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     else:
         temps = 4 * max((2 * c + (shards[k - 1] if k else 0) for k, c in enumerate(shards)), default=0)
     host = 0
-    if s.offload_optimizer:
-        host = opt + temps
-        notes.append(f"optimizer states offloaded: {host / GiB:.1f} GiB of host memory per rank")
-        opt = temps = 0
+    if s.offload_optimizer:  # CPUOffloadPolicy: sharded params, grads and optimizer states on the host
+        host = params + g_b * trainable // shard + opt + temps
+        notes.append(f"FSDP2 CPU offload: {host / GiB:.1f} GiB of host memory per rank (sharded parameters, "
+                     "gradients, optimizer states; the optimizer step runs there)")
+        params = opt = temps = 0
+        grads = grads if full_grads else 0  # an unsharded accumulation stays on the device until reduced
     # ---- activations of one micro-batch on this stage
     la = layer_activations(shape, s)
     tokens = s.micro_batch * s.seq_length // s.cp
@@ -180,11 +192,13 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
         logits_peak = logits_saved + 8 * tokens * vloc  # backward: grad of log_softmax out and of its input
         if amp:
             copies_mb += 2 * V * h // vtp
+    if mp:  # FSDP2 gathers 16-bit weights: autocast has nothing to copy
+        copies_mb = 0
     recomp = recompute_transient(shape, s)
     # ---- communication buffers
     comm = 0
-    if s.zero >= 3 and shard > 1:
-        comm += 2 * p_b * layer_elems  # current + prefetched unsharded block
+    if s.zero >= 3 and shard > 1 and not keeps_gathered:
+        comm += 2 * c_b * layer_elems  # current + prefetched unsharded block
         notes.append("ZeRO-3/FSDP: two unsharded blocks (current + prefetch) counted as communication buffers")
     elif shard > 1 and s.zero < 2:
         comm += 2 * DDP_BUCKET_BYTES
@@ -198,14 +212,15 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     cop_all = inflight * copies_mb
     emb_grad = g_b * (shape.embedding_params() // vtp) // div_g if (st.embedding and s.lora is None) else 0
     phases = {
-        "forward": base + g_fw + act_all + cop_all + logits_peak,
-        "backward_start": base + g_fw + act_all + cop_all + logits_saved + recomp,
-        "backward_end": base + grads - emb_grad + (inflight - 1) * (acts_mb + copies_mb) + recomp,
+        "forward": base + gathered + g_fw + act_all + cop_all + logits_peak,
+        "backward_start": base + gathered + g_fw + act_all + cop_all + logits_saved + recomp,
+        "backward_end": base + gathered + grads - emb_grad + (inflight - 1) * (acts_mb + copies_mb) + recomp,
         "optimizer_step": base + grads + temps,
     }
     phase = max(phases, key=phases.get)
     cats = dict.fromkeys(CATEGORIES, 0)
-    cats.update(parameters=params, optimizer_states=opt, communication_buffers=comm)
+    cats.update(parameters=params + (gathered if phase != "optimizer_step" else 0), optimizer_states=opt,
+                communication_buffers=comm)
     if phase == "forward":
         cats.update(gradients=g_fw, activations=act_all, autocast_weight_copies=cop_all, logits_loss=logits_peak)
     elif phase == "backward_start":
@@ -217,7 +232,10 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     else:
         cats.update(gradients=grads, optimizer_step_temporaries=temps)
     cats["fragmentation"] = int(frag * sum(cats.values()))
-    if not half_w and s.precision != "fp32":
+    if mp:
+        notes.append("FSDP2 mixed precision: sharded fp32 masters (4 B) + grads (4 B) + AdamW m, v (8 B) = 16 B "
+                     "per parameter / shards, plus bf16 copies of what is gathered")
+    elif not half_w and s.precision != "fp32":
         notes.append("amp: fp32 weights (4 B) + fp32 grads (4 B) + AdamW m, v (8 B) = 16 B per parameter")
     states = {"parameters": params, "gradients": grads, "optimizer_states": opt}
     return MemoryEstimate(cats, phase, st.name, host, notes, elems, phases, states)

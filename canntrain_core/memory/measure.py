@@ -5,7 +5,8 @@ No hardware is needed: tensors carry shapes and dtypes but no data, and
 layouts run on a fake process group of the right world size (this process plays rank 0).
 
 Recipe for a measurement that works with torch 2.13 (checked on this code base):
-build the model on ``meta``; apply tensor parallel / FSDP2 *outside* fake mode (they fail inside);
+build the model on ``meta`` and parallelize it with the trainer's own code (``models.lifecycle
+.build_meta_model``) *outside* fake mode (TP and FSDP2 fail inside);
 enter ``FakeTensorMode(allow_non_fake_inputs=True)`` and ``model.to_empty(device="cpu")``; use
 AdamW with ``foreach=False`` (what the trainer uses; with DTensor parameters ``foreach=True`` also
 makes the tracker's optimizer figure wrong). Two steps run and the second is reported, so the
@@ -73,53 +74,30 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-class _LossModule(torch.nn.Module):
-    """The training step's forward (model + canntrain's loss) as one module, so FSDP2's root hooks
-    gather the embedding, final norm and output projection (the loss reads lm_head.weight directly)."""
+def recipe_for(shape: ModelShape, s: TrainSetup):
+    """The recipe that trains ``shape`` as ``s`` lays it out (what measure_fake hands to parallelize)."""
+    from canntrain_core.recipe import load_recipe
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from canntrain_core.models.lm import causal_lm_loss
-
-        return causal_lm_loss(self.model, ids, ids)
-
-
-def _parallelize(model: torch.nn.Module, s: TrainSetup) -> None:
-    """TP (Megatron layout: q/k/v/gate/up column-wise, o/down row-wise), then FSDP2 per block."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (s.dp, s.tp), mesh_dim_names=("dp", "tp"))
-    if s.tp > 1:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
-        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
-                     "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
-        for layer in model.model.model.layers:
-            parallelize_module(layer, mesh["tp"], plan)
-    if s.zero >= 3 and s.dp > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+    return load_recipe(None, {
+        "model.overrides": llama_overrides(shape), "model.precision": s.precision,
+        "model.activation_checkpointing": s.recompute, "data.batch_size": s.micro_batch,
+        "data.seq_length": s.seq_length, "optim.grad_accum_steps": s.grad_accum,
+        "distributed.world_size": s.world_size, "distributed.tensor_parallel_size": s.tp,
+        "distributed.data_parallel_size": s.dp, "distributed.zero_optimization": s.zero,
+        "distributed.sequence_parallel": s.tp > 1 and s.sequence_parallel,
+    })
 
 
 def _check_supported(s: TrainSetup) -> None:
     problems = []
     if s.pp > 1 or s.cp > 1 or s.ep > 1:
         problems.append("pipeline/context/expert parallel (pp, cp, ep must be 1)")
-    if s.zero in (1, 2) and s.dp > 1:
-        problems.append("ZeRO stage 1/2 (use zero=3, i.e. FSDP2, or zero=0)")
-    if s.tp > 1 and (s.sequence_parallel or s.vocab_parallel):
-        problems.append("sequence/vocab parallel (set sequence_parallel=False, vocab_parallel=False for tp)")
-    if s.recompute == "selective" or s.weights != "amp" or s.lora is not None or s.offload_optimizer:
-        problems.append("selective recompute, half weights, LoRA and offload")
+    if s.tp > 1 and s.vocab_parallel:
+        problems.append("vocab parallel (the trainer keeps the vocabulary replicated: vocab_parallel=False)")
+    if s.weights != "amp" or s.lora is not None or s.offload_optimizer:
+        problems.append("half weights, LoRA and offload")
     if s.dp > 1 and s.zero == 0:
-        problems.append("plain DDP over a fake group (use zero=3)")
+        problems.append("plain DDP over a fake group (use zero >= 1)")
     if problems:
         raise NotImplementedError("measure_fake does not cover " + "; ".join(problems) + " — analytic estimate only")
 
@@ -133,20 +111,19 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 2) -> Measuremen
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from canntrain_core.models.registry import build_model
+    from canntrain_core.models.lifecycle import build_meta_model
+    from canntrain_core.models.registry import build_config
+    from canntrain_core.parallel.data_parallel import sync_gradients
+    from canntrain_core.runtime.distributed import ParallelDims
 
     _check_supported(s)
     t0 = time.perf_counter()
+    recipe = recipe_for(shape, s)
     with fake_world(s.world_size):
-        model = build_model("tiny", llama_overrides(shape), device="meta")
-        if s.recompute == "full":
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-            for k, layer in enumerate(model.model.layers):
-                model.model.layers[k] = checkpoint_wrapper(layer)
-        model = _LossModule(model)
-        if s.world_size > 1:
-            _parallelize(model, s)
+        dims = ParallelDims.from_recipe(recipe.distributed)
+        # the trainer's own build and parallelize, stopped before anything is allocated
+        model, _ = build_meta_model(recipe, build_config("tiny", recipe.model.overrides), torch.device("cpu"),
+                                    dims.build_mesh("cpu"), dims)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
@@ -162,9 +139,10 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 2) -> Measuremen
                 warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
                 warnings.filterwarnings("ignore", message="The module hierarchy tracking", category=UserWarning)
                 for _ in range(steps):
-                    for _ in range(s.grad_accum):
+                    for k in range(s.grad_accum):
+                        sync_gradients(model, s.zero, last=k == s.grad_accum - 1)  # as the trainer does
                         with amp:
-                            loss = model(ids)
+                            loss = model(ids, ids)
                         loss.backward()
                         tracker.reset_mod_stats()  # the tracker's module stats cover one pass
                     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from canntrain_core.memory.estimator import GiB, estimate
 from canntrain_core.memory.setup import TrainSetup, setup_from_recipe, shape_from_recipe
+from canntrain_core.parallel.layout import Layout, layout_problems
 
 
 def _candidates(s: TrainSetup) -> list[tuple[str, TrainSetup]]:
@@ -45,6 +46,8 @@ def oom_hint(recipe, capacity_bytes: float) -> str:
     top = sorted(est.categories.items(), key=lambda kv: -kv[1])[:3]
     lines.append("largest parts: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in top))
     for change, cand in _candidates(setup):
+        if layout_problems(Layout.from_setup(cand), shape):
+            continue  # never suggest what the trainer would refuse (e.g. offload without FSDP2)
         try:
             e2 = estimate(shape, cand)
         except ValueError:

@@ -1,17 +1,16 @@
 """Parallel-plan search: every tp x pp x dp (x cp, x ep) x ZeRO x recompute x micro-batch layout
-of a device count, filtered by the memory estimate and ranked by a simple step-time model.
+of a device count that the trainer accepts (``parallel/layout.py``), filtered by the memory estimate
+and ranked by a simple step-time model.
 
 Cost model (per optimizer step, seconds; nothing overlaps, so it is a pessimistic, comparable figure):
 
-* compute  = FLOPs / (devices x peak x efficiency); FLOPs = 6 N_active tokens + attention
-  12 L h s tokens / 2 (causal), plus one extra forward (2 N tokens + half the attention) for full
-  recompute and a small 3 % for selective.
-* tp/cp    = per stage and micro-batch, 4 all-reduces of a b s h 16-bit tensor over tp ranks (ring:
-  2 (t-1)/t of the bytes), and for cp a ring pass of k and v; over the intra-node link when the group
-  fits in one node, the inter-node link otherwise.
-* dp       = gradient all-reduce (2 (d-1)/d x 4 B x params per rank); ZeRO-3 adds two parameter
-  all-gathers; over the inter-node link when tp x cp x dp spans nodes.
-* bubble   = (compute + tp/cp) scaled by (m + pp - 1) / m: the pipeline's (pp-1)/(m+pp-1) idle share.
+* compute  = FLOPs / (devices x peak x efficiency), FLOPs = ``ModelShape.flops_per_token`` x tokens
+  (the definition MFU uses), x 4/3 for full recompute (one more forward), x 7/6 for selective (half
+  the layers);
+* traffic  = ``parallel/comm.py``'s bytes per device per step (the definition the overhead benchmark
+  checks on the wire) over the intra-node link when the group fits in one node, the inter-node link
+  otherwise; cp adds a ring pass of k and v per layer and micro-batch;
+* bubble   = (compute + tp/cp) scaled by (pp - 1) / m: the pipeline's idle share with m micro-batches.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from canntrain_core.memory.devices import DeviceSpec
 from canntrain_core.memory.estimator import GiB, MemoryEstimate, estimate
 from canntrain_core.memory.setup import RECOMPUTE_LEVELS, TrainSetup
 from canntrain_core.memory.shapes import ModelShape
+from canntrain_core.parallel.layout import Layout, layout_problems
 
 EFFICIENCY = 0.5  # achieved share of peak FLOP/s in matmuls; a parameter of the cost model
 
@@ -60,41 +60,32 @@ def _divisors(n: int) -> list[int]:
 def step_time(shape: ModelShape, s: TrainSetup, dev: DeviceSpec, devices_per_node: int,
               global_batch: int, efficiency: float = EFFICIENCY) -> dict[str, float]:
     """Seconds per optimizer step by component (see the module docstring)."""
+    from canntrain_core.parallel.comm import comm_per_step
+    from canntrain_core.runtime.distributed import ParallelDims
+
     n_dev = s.world_size
-    L, h, seq = shape.num_layers, shape.hidden_size, s.seq_length
-    tokens = global_batch * seq
-    attn = 6 * L * h * seq * tokens  # 12 L h s per token, halved for causal masking
-    flops = 6 * shape.active_params() * tokens + attn
-    if s.recompute == "full":
-        flops += 2 * shape.active_params() * tokens + attn / 3
-    elif s.recompute == "selective":
-        flops *= 1.03
+    tokens = global_batch * s.seq_length
+    flops = shape.flops_per_token(s.seq_length) * tokens
+    flops *= {"full": 4 / 3, "selective": 7 / 6}.get(s.recompute, 1.0)  # forward (1/3) again, all or half the layers
     compute = flops / (n_dev * dev.peak_flops * efficiency)
     m = s.microbatches
-    layers_stage = math.ceil(L / s.pp)
-    act_bytes = 2 * s.micro_batch * seq // s.cp * h
 
     def bw(group_span: int) -> float:
         return dev.intra_node_bw if group_span <= devices_per_node else dev.inter_node_bw
 
-    tp_comm = 0.0
-    if s.tp > 1:
-        per = 4 * 2 * (s.tp - 1) / s.tp * act_bytes
-        tp_comm = layers_stage * m * per / bw(s.tp)
+    fsdp = s.zero > 0 and s.dp > 1
+    dims = ParallelDims(pp=s.pp, dp_replicate=1 if fsdp else s.dp, dp_shard=s.dp if fsdp else 1, cp=s.cp, tp=s.tp)
+    rows = comm_per_step(shape, dims, s.micro_batch, s.seq_length // s.cp, m, s.zero, s.precision,
+                         sequence_parallel=s.sequence_parallel)
+    traffic = {k: sum(r["bytes"] for r in rows if r["strategy"] in names)
+               for k, names in (("tp", ("TP", "TP+SP")), ("dp", ("DP", "FSDP")), ("pp", ("PP",)))}
+    tp_comm = traffic["tp"] / bw(s.tp)
     cp_comm = 0.0
     if s.cp > 1:
-        kv = 2 * 2 * s.micro_batch * seq // s.cp * shape.kv_size // s.tp
-        cp_comm = layers_stage * m * 3 * (s.cp - 1) * kv / bw(s.tp * s.cp)
-    params_rank = shape.num_params() / (s.tp * s.pp)
-    dp_group = s.dp * s.cp
-    dp_comm = 0.0
-    if dp_group > 1:
-        ring = (dp_group - 1) / dp_group
-        volume = 2 * ring * 4 * params_rank + (2 * ring * 4 * params_rank if s.zero >= 3 else 0)
-        dp_comm = volume / bw(s.tp * s.cp * s.dp)
-    pp_comm = 0.0
-    if s.pp > 1:
-        pp_comm = 2 * m * act_bytes / s.tp / bw(s.tp * s.cp * s.dp * 2)
+        kv = 2 * 2 * s.micro_batch * s.seq_length // s.cp * shape.kv_size // s.tp
+        cp_comm = math.ceil(shape.num_layers / s.pp) * m * 3 * (s.cp - 1) * kv / bw(s.tp * s.cp)
+    dp_comm = traffic["dp"] / bw(s.tp * s.cp * s.dp)
+    pp_comm = traffic["pp"] / bw(s.tp * s.cp * s.dp * 2)
     busy = compute + tp_comm + cp_comm
     bubble = busy * (s.pp - 1) / m if s.pp > 1 else 0.0
     return {"compute": compute, "tp_cp_comm": tp_comm + cp_comm, "dp_comm": dp_comm,
@@ -102,8 +93,12 @@ def step_time(shape: ModelShape, s: TrainSetup, dev: DeviceSpec, devices_per_nod
 
 
 def candidate_setups(shape: ModelShape, devices: int, devices_per_node: int, global_batch: int,
-                     base: TrainSetup, micro_batches: Iterable[int] = (1, 2, 4, 8)) -> Iterable[tuple[TrainSetup | None, str]]:
-    """Every layout of ``devices``; yields (setup, "") or (None, why it cannot be built)."""
+                     base: TrainSetup, micro_batches: Iterable[int] = (1, 2, 4, 8)) -> Iterable[tuple[TrainSetup, list[str]]]:
+    """Every layout of ``devices``, with the validator's reasons when the trainer would refuse it.
+
+    Sequence parallel is on wherever the trainer can run it (tp > 1 without pp): it only saves
+    memory; the vocabulary stays replicated, as in the trainer.
+    """
     cps = [c for c in (1, 2, 4, 8) if devices % c == 0 and base.seq_length >= 8192 * c // 2] or [1]
     for tp in _divisors(devices):
         for pp in _divisors(devices // tp):
@@ -111,44 +106,35 @@ def candidate_setups(shape: ModelShape, devices: int, devices_per_node: int, glo
                 if devices % (tp * pp * cp):
                     continue
                 dp = devices // (tp * pp * cp)
-                why = _structural(shape, tp, pp)
                 for ep in ([e for e in _divisors(dp * cp) if shape.num_experts % e == 0] if shape.kind == "moe" else [1]):
                     for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                         for rc in RECOMPUTE_LEVELS:
                             for mb in micro_batches:
                                 if global_batch % (dp * mb):
                                     continue
-                                if why:
-                                    yield None, f"tp{tp} pp{pp}: {why}"
-                                    break
-                                accum = global_batch // (dp * mb)
-                                yield base.but(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=zero, recompute=rc,
-                                               micro_batch=mb, grad_accum=accum, num_microbatches=None), ""
-
-
-def _structural(shape: ModelShape, tp: int, pp: int) -> str:
-    if shape.num_heads % tp:
-        return f"{shape.num_heads} attention heads do not split over tp={tp}"
-    if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
-        return f"{shape.num_kv_heads} kv heads do not split over tp={tp}"
-    if pp > shape.num_layers:
-        return f"pp={pp} exceeds {shape.num_layers} layers"
-    return ""
+                                setup = base.but(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=zero, recompute=rc,
+                                                 micro_batch=mb, grad_accum=global_batch // (dp * mb),
+                                                 num_microbatches=None, vocab_parallel=False,
+                                                 sequence_parallel=tp > 1 and pp == 1)
+                                yield setup, layout_problems(Layout.from_setup(setup), shape, devices_per_node)
 
 
 def search(shape: ModelShape, devices: int, dev: DeviceSpec, devices_per_node: int = 8,
            global_batch: int = 1024, base: TrainSetup | None = None, efficiency: float = EFFICIENCY,
-           memory_bytes: float | None = None) -> list[Plan]:
-    """All candidate plans: fitting ones ranked fastest first, then the infeasible ones with reasons."""
+           memory_bytes: float | None = None, skipped: dict[str, int] | None = None) -> list[Plan]:
+    """Every layout the trainer accepts: fitting ones ranked fastest first, then those that do not fit.
+
+    Layouts the validator (``parallel.layout``) refuses are not plans; ``skipped``, when given, counts
+    them by reason.
+    """
     base = base or TrainSetup()
     cap = memory_bytes or dev.memory_bytes
     plans: list[Plan] = []
-    seen_reasons: set[str] = set()
-    for setup, why in candidate_setups(shape, devices, devices_per_node, global_batch, base):
-        if setup is None:
-            if why not in seen_reasons:
-                seen_reasons.add(why)
-                plans.append(Plan(base, None, False, why))
+    for setup, problems in candidate_setups(shape, devices, devices_per_node, global_batch, base):
+        if problems:
+            if skipped is not None:
+                for why in problems:
+                    skipped[why] = skipped.get(why, 0) + 1
             continue
         est = estimate(shape, setup)
         if not est.fits(cap):
@@ -165,8 +151,6 @@ def search(shape: ModelShape, devices: int, dev: DeviceSpec, devices_per_node: i
 def _remarks(s: TrainSetup, parts: dict[str, float], devices_per_node: int) -> list[str]:
     out = []
     total = sum(parts.values())
-    if s.tp > devices_per_node:
-        out.append(f"tp={s.tp} crosses nodes: TP traffic on the slow link")
     if s.pp > 1:
         out.append(f"pipeline bubble {parts['bubble'] / total:.0%} of the step (m={s.microbatches}, pp={s.pp})")
     if parts["dp_comm"] / total > 0.2:
@@ -180,7 +164,7 @@ def guidance_note(best: Plan, devices_per_node: int) -> str:
     """How the best plan compares with the rule of thumb: TP within a node, PP 4-8, the rest to DP."""
     s = best.setup
     bits = []
-    bits.append("TP within a node" if s.tp <= devices_per_node else "TP crosses nodes (departs from guidance)")
+    bits.append("TP within a node")  # the validator refuses TP across nodes
     if 4 <= s.pp <= 8:
         bits.append("PP in 4-8")
     elif s.pp < 4:

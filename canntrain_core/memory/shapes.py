@@ -95,6 +95,18 @@ class ModelShape:
     def num_params(self) -> int:
         return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
 
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token (forward + backward), as torchtitan and PaLM's MFU count them:
+        6 x the weights a token's matmuls use (the output projection too, not the embedding lookup;
+        MoE: only the active experts) + 12 x layers x hidden x seq_length for attention's scores and
+        values (no discount for the causal mask). The one definition: MFU, the planner's step time."""
+        h, i = self.hidden_size, self.intermediate_size
+        layer = sum(o * n for _, o, n in self.layer_matrices())
+        if self.kind == "moe":
+            layer -= (self.num_experts - self.experts_per_token) * 3 * h * i
+        matmul = self.num_layers * layer + self.vocab_size * h
+        return 6.0 * matmul + 12.0 * self.num_layers * h * seq_length
+
     def active_params(self) -> int:
         """Parameters one token goes through (MoE: only experts_per_token experts)."""
         if self.kind != "moe":
@@ -136,16 +148,21 @@ def shape_from_preset(preset: str, overrides: dict[str, Any] | None = None, voca
     except KeyError as e:
         known = sorted([*__import__("canntrain_core.models.registry", fromlist=["PRESETS"]).PRESETS, *EXTRA_SHAPES])
         raise KeyError(f"{e.args[0]} (memory estimator knows: {', '.join(known)})") from None
+    return shape_of(cfg)
+
+
+def shape_of(config: Any) -> ModelShape:
+    """The ModelShape of a transformers LlamaConfig (a preset's, or an init_from directory's)."""
     return ModelShape(
         "llama",
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.num_hidden_layers,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads or cfg.num_attention_heads,
-        cfg.vocab_size,
-        tie_embeddings=bool(cfg.tie_word_embeddings),
-        max_positions=cfg.max_position_embeddings,
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads or config.num_attention_heads,
+        config.vocab_size,
+        tie_embeddings=bool(config.tie_word_embeddings),
+        max_positions=config.max_position_embeddings,
     )
 
 

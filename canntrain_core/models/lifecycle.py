@@ -37,12 +37,11 @@ class BuiltModel:
     loaded: list[dict[str, Any]] = field(default_factory=list)  # init_from: this rank's tensors and slices
 
 
-def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None,
-                         fill: bool = True) -> BuiltModel:
-    """Steps 1-5 above for ``recipe`` (its model, distributed and seed) on ``device``.
+def build_meta_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None):
+    """Steps 1-3: the parallelized CausalLM on ``meta`` and its pipeline schedule (or None).
 
-    ``mesh`` and ``dims`` come from ``runtime.distributed``; leave them out on one device.
-    ``fill=False`` skips step 5's weights (a resumed run loads every one of them from its checkpoint).
+    ``mesh`` and ``dims`` come from ``runtime.distributed``; leave them out on one device. The memory
+    measurement stops here and materializes under FakeTensorMode instead.
     """
     from canntrain_core.runtime.distributed import ParallelDims
 
@@ -58,6 +57,17 @@ def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh
     # eager ops compute the same; its eager cross_entropy is the chunked one, slower on CPU).
     model = CausalLM(hf_model, cross_entropy)
     schedule = parallelize(model, mesh, dims, recipe, device)
+    return model, schedule
+
+
+def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None,
+                         fill: bool = True) -> BuiltModel:
+    """Steps 1-5 above for ``recipe`` (its model, distributed and seed) on ``device``.
+
+    ``fill=False`` skips step 5's weights (a resumed run loads every one of them from its checkpoint).
+    """
+    m = recipe.model
+    model, schedule = build_meta_model(recipe, config, device, mesh, dims)
     model.to_empty(device=device)
     loaded: list[dict[str, Any]] = []
     if not fill:

@@ -52,8 +52,16 @@ class CausalLM(nn.Module):
         h = m.norm(h)
         if isinstance(h, DTensor):  # sequence parallel: gather the sequence for the head and loss
             h = h.full_tensor()
-        if targets is None:
-            return self.lm_head(h)
+        if targets is not None:
+            return self.head_loss(h, targets)
+        # A pipeline's last stage hands its final hidden states to the schedule's loss (head_loss).
+        return h if self.pipeline_last_stage else self.lm_head(h)
+
+    pipeline_last_stage = False  # set by parallel.pp.split_stage
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss of final hidden states: the recipe's cross-entropy kernel, on every
+        layout (a pipeline's schedule calls this as its loss function)."""
         return self.cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
 
 

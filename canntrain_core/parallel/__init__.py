@@ -26,7 +26,8 @@ def parallelize(model, mesh, dims, recipe, device: torch.device):
             layer.compile()
     if dims.dp_shard > 1:
         dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
-        apply_fsdp(model, mesh[dp_names], recipe.distributed.zero_optimization)
+        apply_fsdp(model, mesh[dp_names], recipe.distributed.zero_optimization, recipe.model.precision,
+                   recipe.optim.offload_optimizer, pipeline=dims.pp > 1)
     elif dims.dp_replicate > 1:
         apply_ddp(model, mesh["dp_replicate"])
     if dims.pp > 1:

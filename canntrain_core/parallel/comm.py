@@ -1,39 +1,56 @@
-"""How many bytes each strategy moves per optimizer step, per device: the analytic side of
-`benchmarks/parallel_overhead.py`, which measures the same traffic on the loopback interface.
+"""How many bytes each strategy moves per optimizer step, per device: the one traffic model, used by the
+planner's step time and by `benchmarks/parallel_overhead.py`, which measures the same traffic on the
+loopback interface.
 
 Ring collectives over n ranks move, per device: all-reduce 2(n-1)/n x size, all-gather and
 reduce-scatter (n-1)/n x size (size = the full, unsharded tensor). Pipeline stages send activations
 forward and their gradients backward at each stage boundary, once per micro-batch.
+
+When gradients are synchronised (``parallel/data_parallel.py`` and the trainer's step):
+
+- DDP (ZeRO-0): one all-reduce per optimizer step, however many micro-batches accumulate;
+- FSDP2 ZeRO-1: parameters gathered once and gradients reduce-scattered once per step (both stay
+  unsharded between the step's micro-batches: ZeRO-1 holds full gradients anyway);
+- FSDP2 ZeRO-2 / ZeRO-3: a reduce-scatter per micro-batch, so gradients stay sharded (holding them
+  unsharded across micro-batches would cost the full model's gradients on every rank, torchtitan's
+  reason for the same choice); ZeRO-2 gathers parameters once per micro-batch, ZeRO-3 twice;
+- under pipeline parallel, torch's schedule keeps FSDP's parameters gathered and its gradients
+  unsharded until the step's last backward: one gather, one reduce-scatter per step.
+
+Under 16-bit precision FSDP2 gathers 16-bit parameters (its MixedPrecisionPolicy) and reduces fp32
+gradients; DDP reduces fp32 gradients; activations cross TP and PP boundaries in 16 bits.
 """
 
 from __future__ import annotations
 
+from canntrain_core.memory.shapes import ModelShape, shape_of
 from canntrain_core.runtime.distributed import ParallelDims
 
 
-def _layer_params(config) -> int:
-    h = config.hidden_size
-    kv = config.num_key_value_heads * (h // config.num_attention_heads)
-    return 2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size + 2 * h
+def fsdp_syncs_once_per_step(zero_stage: int, pp: int) -> bool:
+    """Whether FSDP2 keeps parameters gathered and gradients unsharded over a step's micro-batches."""
+    return zero_stage == 1 or pp > 1
 
 
-def comm_per_step(config, dims: ParallelDims, batch_size: int, seq_length: int, grad_accum: int,
-                  zero_stage: int, param_bytes: int = 4, act_bytes: int = 4, backend: str = "nccl",
+def comm_per_step(model, dims: ParallelDims, batch_size: int, seq_length: int, grad_accum: int,
+                  zero_stage: int, precision: str = "fp32", backend: str = "nccl",
                   sequence_parallel: bool = False) -> list[dict]:
     """Rows of (strategy, collective, calls per step, bytes sent per device per step).
 
+    ``model``: a ModelShape or a transformers config. ``grad_accum``: micro-batches per step.
     ``backend="gloo"``: gloo has no reduce-scatter, so it falls back to an all-reduce (twice the bytes).
     """
-    layers = config.num_hidden_layers
-    h = config.hidden_size
-    params = layers * _layer_params(config) + 2 * config.vocab_size * h + h
-    params_per_stage = params / dims.pp
+    shape: ModelShape = model if isinstance(model, ModelShape) else shape_of(model)
+    half = precision in ("bf16", "fp16")
+    act_bytes = 2 if half else 4
+    layers, h = shape.num_layers, shape.hidden_size
+    params_per_stage = shape.num_params() / dims.pp
     rows = []
     tp_local = params_per_stage  # parameters outside TP's sharding are few for Llama: count all once
     rs_factor = 2 if backend == "gloo" else 1  # gloo has no reduce-scatter: an all-reduce instead
+    acts = batch_size * seq_length * h * act_bytes
     if dims.tp > 1 and sequence_parallel:
         t = dims.tp
-        acts = batch_size * seq_length * h * act_bytes
         # Each of the two TP regions per layer: all-gather in, reduce-scatter out (forward), and the
         # mirror in backward; the embedding's and the final norm's gathers are left out (2 per step).
         calls = 4 * (layers // dims.pp) * grad_accum
@@ -44,7 +61,6 @@ def comm_per_step(config, dims: ParallelDims, batch_size: int, seq_length: int, 
         tp_local = params_per_stage / t
     elif dims.tp > 1:
         t = dims.tp
-        acts = batch_size * seq_length * h * act_bytes
         # Forward: after o_proj and after down_proj. Backward: each column-parallel projection
         # (q, k, v, gate, up) all-reduces its input gradient; Megatron fuses qkv and gate/up into 2.
         per_layer = 2 + 5
@@ -54,21 +70,23 @@ def comm_per_step(config, dims: ParallelDims, batch_size: int, seq_length: int, 
         tp_local = params_per_stage / t
     n = dims.dp
     if n > 1:
-        grads = tp_local * param_bytes
+        grads = tp_local * 4  # gradients reduce in fp32
         if dims.dp_shard > 1:
-            gathers = 2 if zero_stage >= 3 else 1  # ZeRO-3 gathers again for backward
+            gathered = tp_local * (2 if half else 4)  # MixedPrecisionPolicy: 16-bit parameters
+            if fsdp_syncs_once_per_step(zero_stage, dims.pp):
+                gathers, scatters = 1, 1
+            else:
+                gathers, scatters = (2 if zero_stage >= 3 else 1) * grad_accum, grad_accum
             rows.append({"strategy": "FSDP", "collective": "all-gather (parameters)",
-                         "calls": gathers * grad_accum, "bytes": gathers * grad_accum * (n - 1) / n * grads})
+                         "calls": gathers, "bytes": gathers * (n - 1) / n * gathered})
             rows.append({"strategy": "FSDP", "collective": "reduce-scatter (gradients)",
-                         "calls": grad_accum, "bytes": rs_factor * grad_accum * (n - 1) / n * grads})
+                         "calls": scatters, "bytes": rs_factor * scatters * (n - 1) / n * grads})
         else:
             rows.append({"strategy": "DP", "collective": "all-reduce (gradients)",
-                         "calls": grad_accum, "bytes": grad_accum * 2 * (n - 1) / n * grads})
+                         "calls": 1, "bytes": 2 * (n - 1) / n * grads})
     if dims.pp > 1:
-        micro = grad_accum
-        acts = batch_size * seq_length * h * act_bytes
         # Averaged over stages: each boundary carries activations forward and gradients back.
-        boundary_bytes = 2 * micro * acts * (dims.pp - 1) / dims.pp
+        boundary_bytes = 2 * grad_accum * acts * (dims.pp - 1) / dims.pp
         rows.append({"strategy": "PP", "collective": "send/recv (activations, gradients)",
-                     "calls": 2 * micro, "bytes": boundary_bytes})
+                     "calls": 2 * grad_accum, "bytes": boundary_bytes})
     return rows

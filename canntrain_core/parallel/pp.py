@@ -9,7 +9,6 @@ and averages their gradients (scale_grads), so a step equals gradient accumulati
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -37,12 +36,12 @@ def split_stage(model, stage: int, stages: int) -> None:
     if stage < stages - 1:
         model.model.norm = None
         model.lm_head = None
-
-
-def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    else:
+        model.pipeline_last_stage = True  # its forward returns hidden states; the schedule's loss is head_loss
 
 
 def build_schedule(model, pp_mesh: DeviceMesh, device: torch.device, schedule: str, microbatches: int):
     stage = PipelineStage(model, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
-    return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=logits_loss)
+    # The same loss (and cross-entropy kernel) as without a pipeline: the chunked one never builds
+    # the full logits, which on the last stage are its largest activation.
+    return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=model.head_loss)

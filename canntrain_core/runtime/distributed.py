@@ -58,33 +58,6 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
 
 
-def validate_layout(d: DistributedConfig, model_config, devices_per_node: int | None = None) -> None:
-    """Reject layouts the model or the machine cannot run, naming the recipe key."""
-    tp, pp = d.tensor_parallel_size, d.pipeline_parallel_size
-    problems = []
-    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        n = getattr(model_config, attr)
-        if n % tp:
-            problems.append(f"distributed.tensor_parallel_size={tp} must divide the model's {attr}={n}")
-    if pp > model_config.num_hidden_layers:
-        problems.append(f"distributed.pipeline_parallel_size={pp} exceeds the model's "
-                        f"{model_config.num_hidden_layers} layers")
-    if devices_per_node and tp > devices_per_node and not d.allow_cross_node_tp:
-        problems.append(f"distributed.tensor_parallel_size={tp} spans nodes of {devices_per_node} devices; "
-                        "TP's all-reduces need the intra-node links (set distributed.allow_cross_node_tp to force)")
-    if d.sequence_parallel and pp > 1:
-        problems.append("distributed.sequence_parallel with pipeline_parallel_size > 1 is not supported yet "
-                        "(stage boundaries would carry sequence shards)")
-    if d.context_parallel_size > 1:
-        problems.append("distributed.context_parallel_size > 1 is estimated by the memory planner but not run "
-                        "by the trainer yet (torch's context_parallel needs SDPA flash/efficient kernels)")
-    if d.zero_optimization == 0 and d.data_parallel_size > 1 and (tp > 1 or pp > 1):
-        problems.append("distributed.zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported; "
-                        "use zero_optimization >= 1 (FSDP2)")
-    if problems:
-        raise RecipeError("invalid parallel layout:\n  " + "\n  ".join(problems))
-
-
 def init_distributed(acc: Accelerator, d: DistributedConfig) -> int:
     """Join the torchrun job (if any); return the world size. Checks it against the recipe."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -22,15 +22,10 @@ PEAK_TFLOPS_16BIT = {
 
 
 def flops_per_token(config, seq_length: int) -> float:
-    """Training FLOPs per token, as torchtitan counts them: 6 x non-embedding params + attention.
+    """Training FLOPs per token of a transformers config: ``ModelShape.flops_per_token`` (the one definition)."""
+    from canntrain_core.memory.shapes import shape_of
 
-    Attention scores and values cost 12 x layers x hidden x seq_length per token (forward + backward).
-    """
-    h, layers = config.hidden_size, config.num_hidden_layers
-    kv = config.num_key_value_heads * (h // config.num_attention_heads)
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * config.intermediate_size  # q,o + k,v + mlp
-    params = layers * per_layer + config.vocab_size * h  # the output projection is a matmul too
-    return 6.0 * params + 12.0 * layers * h * seq_length
+    return shape_of(config).flops_per_token(seq_length)
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,5 +1,5 @@
 """Tokens/s of whole training steps with a ``model.kernels`` choice (the fused-kernels notebook and
-benchmarks/kernels.py compare eager with auto)."""
+benchmarks/kernel_speed.py compare eager with auto)."""
 
 from __future__ import annotations
 

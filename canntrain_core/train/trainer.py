@@ -25,10 +25,12 @@ from canntrain_core.errors import BadInput, OutOfMemory
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.parallel.clip import clip_grad_norm
-from canntrain_core.recipe import Recipe, RecipeError, save_resolved
+from canntrain_core.parallel.data_parallel import sync_gradients
+from canntrain_core.parallel.layout import check_layout
+from canntrain_core.recipe import Recipe, save_resolved
 from canntrain_core.runtime import Accelerator, get_accelerator, seed_everything
 from canntrain_core.runtime.distributed import (
-    ParallelDims, dp_coordinates, from_rank0, init_distributed, rank, validate_layout,
+    ParallelDims, dp_coordinates, from_rank0, init_distributed, rank,
 )
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
@@ -81,9 +83,7 @@ class Trainer:
         self.acc = accelerator or get_accelerator()
         m, d = r.model, r.distributed
         self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
-        validate_layout(d, config, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
-        if m.precision == "fp16" and d.pipeline_parallel_size > 1:
-            raise RecipeError("model.precision=fp16 with pipeline parallel is not supported; use bf16")
+        check_layout(r, config, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
         init_distributed(self.acc, d)
         self.rank = rank()
         self.dims = ParallelDims.from_recipe(d)
@@ -113,6 +113,9 @@ class Trainer:
         built = build_training_model(r, config, self.acc.device, self.mesh, self.dims, fill=resume_path is None)
         self.model, self.schedule = built.model, built.schedule
         self.loaded_from = built.loaded  # init_from: this rank's tensors and the slices it read
+        if self.rank == 0 and r.optim.offload_optimizer and self.acc.type == "cpu":
+            print("optim.offload_optimizer: FSDP2's CPUOffloadPolicy is applied, but on this CPU-only host "
+                  "parameters, gradients and optimizer states are in host memory already: a no-op here")
         if self.rank == 0 and m.init_from and resume_path is None:
             given = self.data.info["tokenizer_source"] == "given"
             print(f"model: {built.source} (the architecture from its config.json); tokenizer: "
@@ -225,7 +228,8 @@ class Trainer:
             with acc.autocast(precision):
                 return self._pipeline(self.schedule.step, batch)
         loss_sum = torch.zeros((), device=acc.device)
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
+            sync_gradients(self.model, self.recipe.distributed.zero_optimization, last=i == len(micro_batches) - 1)
             with acc.autocast(precision):
                 loss = self.model(batch[:, :-1], batch[:, 1:])
             # Each micro-batch holds the same number of tokens, so the mean of micro-batch

@@ -1,8 +1,8 @@
 """Speed of each kernel backend vs eager, a whole training step, and the loss's peak memory.
 
-    .venv/bin/python benchmarks/kernels.py                      # tiny + 1B-like shapes, all ops
-    .venv/bin/python benchmarks/kernels.py --shapes tiny --ops rms_norm,swiglu --threads 1
-    .venv/bin/python benchmarks/kernels.py --json out.json
+    .venv/bin/python benchmarks/kernel_speed.py                      # tiny + 1B-like shapes, all ops
+    .venv/bin/python benchmarks/kernel_speed.py --shapes tiny --ops rms_norm,swiglu --threads 1
+    .venv/bin/python benchmarks/kernel_speed.py --json out.json
 
 Timings are medians after warm-up (compilation is excluded). They depend on the machine and its
 load; nothing in the test suite reads them.
@@ -18,14 +18,9 @@ import sys
 
 import torch
 
-# This file is itself named kernels.py: keep its folder off sys.path so transformers' `import kernels` finds the hub package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.modules.pop("kernels", None) if getattr(sys.modules.get("kernels"), "__file__", "") == __file__ else None
-
-from canntrain_kernels import registry  # noqa: E402
-from canntrain_core.train.throughput import train_step_throughput  # noqa: E402
-from canntrain_kernels.bench import backend_speed, cross_entropy_peak  # noqa: E402
+from canntrain_core.train.throughput import train_step_throughput
+from canntrain_kernels import registry
+from canntrain_kernels.bench import backend_speed, cross_entropy_peak
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:

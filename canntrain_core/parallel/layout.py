@@ -1,0 +1,102 @@
+"""Which parallel layouts canntrain runs, and why the others are refused: the one validator.
+
+Called by the recipe loader (what it can check without a model), the trainer (with the model and the
+node size), the planner (it ranks only layouts this accepts) and the estimator (it says when the
+trainer would refuse what it estimates). Every message names the recipe key to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    microbatches: int = 1  # per optimizer step: what a pipeline schedule splits the batch into
+    offload_optimizer: bool = False
+    precision: str = "fp32"
+
+    @classmethod
+    def from_recipe(cls, recipe: Any) -> "Layout":
+        d = recipe.distributed
+        return cls(tp=d.tensor_parallel_size, pp=d.pipeline_parallel_size, dp=d.data_parallel_size,
+                   cp=d.context_parallel_size, ep=d.expert_parallel_size, zero=d.zero_optimization,
+                   sequence_parallel=d.sequence_parallel,
+                   microbatches=d.num_microbatches or recipe.optim.grad_accum_steps,
+                   offload_optimizer=recipe.optim.offload_optimizer, precision=recipe.model.precision)
+
+    @classmethod
+    def from_setup(cls, s: Any) -> "Layout":
+        """From a memory.setup.TrainSetup (the estimator's and the planner's description)."""
+        return cls(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, ep=s.ep, zero=s.zero,
+                   sequence_parallel=s.tp > 1 and s.sequence_parallel, microbatches=s.microbatches,
+                   offload_optimizer=s.offload_optimizer, precision=s.precision)
+
+    @property
+    def fsdp(self) -> bool:
+        """Data parallel by FSDP2 (zero_optimization 1-3 over more than one rank)."""
+        return self.zero > 0 and self.dp > 1
+
+
+def layout_problems(layout: Layout, model: Any = None, devices_per_node: int | None = None,
+                    allow_cross_node_tp: bool = False) -> list[str]:
+    """Why the trainer cannot run ``layout`` (empty: it can).
+
+    ``model``: a memory.shapes.ModelShape (heads, layers, ...); without it only the model-free rules
+    apply. ``devices_per_node``: without it, TP's placement is not checked.
+    """
+    L = layout
+    out = []
+    if L.sequence_parallel and L.pp > 1:
+        out.append("distributed.sequence_parallel with pipeline_parallel_size > 1 is not supported yet "
+                   "(stage boundaries would carry sequence shards)")
+    if L.cp > 1:
+        out.append("distributed.context_parallel_size > 1 is estimated by the memory planner but not run "
+                   "by the trainer yet (torch's context_parallel needs SDPA flash/efficient kernels)")
+    if L.zero == 0 and L.dp > 1 and (L.tp > 1 or L.pp > 1):
+        out.append("distributed.zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported; "
+                   "use zero_optimization >= 1 (FSDP2)")
+    if L.pp > 1 and L.microbatches < L.pp:
+        out.append(f"pipeline_parallel_size={L.pp} needs at least {L.pp} micro-batches per step, got "
+                   f"{L.microbatches} (raise optim.grad_accum_steps or distributed.num_microbatches)")
+    if L.pp > 1 and L.precision == "fp16":
+        out.append("model.precision=fp16 with pipeline parallel is not supported; use bf16")
+    if L.offload_optimizer and not L.fsdp:
+        out.append("optim.offload_optimizer needs FSDP2 (distributed.zero_optimization >= 1 and "
+                   "data_parallel_size > 1): its CPUOffloadPolicy is what offloads; DDP and one rank cannot")
+    if model is not None:
+        for attr, n in (("attention heads", model.num_heads), ("KV heads", model.num_kv_heads),
+                        ("intermediate_size", model.intermediate_size)):
+            if n % L.tp:
+                out.append(f"distributed.tensor_parallel_size={L.tp} must divide the model's {n} {attr}")
+        if L.pp > model.num_layers:
+            out.append(f"distributed.pipeline_parallel_size={L.pp} exceeds the model's {model.num_layers} layers")
+        experts = getattr(model, "num_experts", 1)
+        if L.ep > 1 and (experts <= 1 or experts % L.ep):
+            out.append(f"distributed.expert_parallel_size={L.ep} must divide the model's {experts} expert(s)")
+    if devices_per_node and L.tp > 1 and devices_per_node % L.tp and not allow_cross_node_tp:
+        out.append(f"distributed.tensor_parallel_size={L.tp} spans nodes of {devices_per_node} devices; "
+                   "TP's all-reduces need the intra-node links (set distributed.allow_cross_node_tp to force)")
+    return out
+
+
+def check_layout(recipe: Any, model: Any = None, devices_per_node: int | None = None) -> None:
+    """Raise a RecipeError listing every problem of the recipe's layout (``model``: a ModelShape or a
+    transformers config)."""
+    from canntrain_core.errors import RecipeError
+    from canntrain_core.memory.shapes import ModelShape, shape_of
+
+    if model is not None and not isinstance(model, ModelShape):
+        model = shape_of(model)
+    problems = layout_problems(Layout.from_recipe(recipe), model, devices_per_node,
+                               recipe.distributed.allow_cross_node_tp)
+    if problems:
+        raise RecipeError("invalid parallel layout:\n  " + "\n  ".join(problems))
