@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from canntrain_core.models import build_model
+from canntrain_core.models.init import init_weights, reset_buffers
 from canntrain_core.recipe import load_recipe
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.trainer import Trainer
@@ -116,7 +117,10 @@ def run_hf(recipe, skip: int) -> dict:
         dataloader_num_workers=r.data.num_workers, remove_unused_columns=False, disable_tqdm=True,
         seed=r.experiment.seed,
     )
-    model = build_model(r.model.preset, r.model.overrides, data.vocab_size, r.experiment.seed)
+    # The same initial weights as canntrain's (its seeded, layout-independent init), on transformers' model.
+    model = build_model(r.model.preset, r.model.overrides, data.vocab_size, device="meta").to_empty(device="cpu")
+    init_weights(model, model.config, r.experiment.seed)
+    reset_buffers(model, model.config, torch.device("cpu"))
     hf = HFTrainer(model=model, args=args, train_dataset=Shifted(), callbacks=[Clock()])
     with PeakRSS() as mem:
         hf.train()

@@ -21,6 +21,7 @@ from canntrain_core.errors import CanntrainError
 COMMAND_MODULES = [
     "canntrain_core.train.cli",  # train
     "canntrain_core.checkpoint.cli",  # export
+    "canntrain_core.finetune.cli",  # tasks
     "canntrain_core.jobs.cli",  # run (notebooks headless)
     "canntrain_core.memory.cli",
     "canntrain_kernels.cli",

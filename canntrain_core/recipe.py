@@ -64,9 +64,31 @@ class TokenizerConfig(_Section):
     vocab_size: int = Field(4096, ge=260, le=2**20)
 
 
+class TemplateConfig(_Section):
+    """How a conversation becomes text when the tokenizer brings no chat template of its own.
+    ``{content}`` is the turn's text; ``{eos}`` the tokenizer's end-of-text token (it ends an answer,
+    so generation stops there)."""
+
+    system: str = "{content}\n\n"
+    user: str = "### Instruction:\n{content}\n\n### Response:\n"
+    assistant: str = "{content}{eos}"
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> "TemplateConfig":
+        for role in ("system", "user", "assistant"):
+            if getattr(self, role).count("{content}") != 1:
+                raise ValueError(f"data.template.{role} must contain {{content}} exactly once")
+        return self
+
+
+# data keys that only instruction data reads (train_mode sft); a pretraining recipe may not set them
+SFT_DATA_KEYS = ("format", "train_on", "truncation", "packing", "template")
+
+
 class DataConfig(_Section):
     # "stdlib" (this interpreter's standard-library .py files), a directory of text files,
-    # or a .jsonl file whose records hold text under `text_field`.
+    # or a .jsonl file whose records hold text under `text_field`. For train_mode sft: a .jsonl file
+    # of instruction records (alpaca, messages or ShareGPT; see canntrain_core/finetune/records.py).
     source: str = "stdlib"
     text_field: str = "text"
     # Deterministic subset of the corpus, so tiny recipes tokenize in seconds.
@@ -82,6 +104,15 @@ class DataConfig(_Section):
     # A JSONL line that is not a usable record, or a file in a text directory that is not UTF-8
     # text: "error" stops with its file and line, "skip" leaves it out and counts it (info["bad_records"]).
     on_bad_record: Literal["skip", "error"] = "error"
+    # ---- instruction data (train_mode sft)
+    format: Literal["auto", "alpaca", "messages", "sharegpt"] = "auto"
+    # Which tokens the loss trains on: every assistant answer, only the final one, or all tokens.
+    train_on: Literal["assistant", "last", "all"] = "assistant"
+    # A sample longer than seq_length: drop prompt tokens from the left (never the answer), or drop it.
+    truncation: Literal["truncate_prompt", "drop"] = "truncate_prompt"
+    # Several samples per row, attention confined to each (block-diagonal causal mask).
+    packing: bool = False
+    template: TemplateConfig = Field(default_factory=TemplateConfig)
 
     @model_validator(mode="after")
     def _workers(self) -> "DataConfig":
@@ -102,6 +133,8 @@ class OptimConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_accum_steps: int = Field(1, gt=0)
     max_steps: int = Field(100, gt=0)
+    # Passes over the training data; when set, the trainer computes max_steps from it (and says so).
+    epochs: float | None = Field(None, gt=0)
     grad_clip: float | None = Field(1.0, gt=0)
     # Keep AdamW states (and fp32 master weights) in host memory: the seeds' "swap optimizer".
     offload_optimizer: bool = False
@@ -190,23 +223,37 @@ class DistributedConfig(_Section):
         return self
 
 
+class LoraSettings(_Section):
+    """LoRA adapters through peft: only the adapters train; checkpoints hold only them."""
+
+    enabled: bool = False
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
 class LoggingConfig(_Section):
     log_interval: int = Field(10, gt=0)
     eval_interval: int = Field(50, gt=0)
     # Validation set size in global batches (global_batch_size sequences each), whatever the layout.
     eval_batches: int = Field(8, gt=0)
+    # train_mode sft: held-out samples whose final answer is generated greedily and scored (exact match)
+    # at every evaluation; 0 turns it off.
+    eval_exact_match: int = Field(0, ge=0)
     ckpt_interval: int = Field(100, gt=0)
     keep_last: int = Field(3, gt=0)
 
 
 class Recipe(_Section):
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
-    train_mode: Literal["pretrain"] = "pretrain"
+    train_mode: Literal["pretrain", "sft"] = "pretrain"
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
     # A checkpoint directory, "auto" (newest complete checkpoint in the run directory) or null.
     resume_from: str | None = None
     # What loading noticed but did not reject (e.g. an override given twice); summary() prints them.
@@ -231,6 +278,22 @@ class Recipe(_Section):
         problems = layout_problems(Layout.from_recipe(self))  # what needs no model; the trainer checks the rest
         if problems:
             raise ValueError("invalid parallel layout: " + "; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _stage_keys(self) -> "Recipe":
+        """Keys of one stage set in a recipe of another would do nothing: refuse them."""
+        if self.train_mode == "pretrain":
+            sft_only = [f"data.{k}" for k in SFT_DATA_KEYS if k in self.data.model_fields_set]
+            sft_only += ["logging.eval_exact_match"] * ("eval_exact_match" in self.logging.model_fields_set)
+            sft_only += ["lora.enabled"] * self.lora.enabled
+            if sft_only:
+                raise ValueError(f"{', '.join(sft_only)}: only train_mode sft reads these")
+        if self.train_mode == "sft" and not self.data.source.endswith(".jsonl"):
+            raise ValueError(f"data.source: train_mode sft reads a .jsonl file of instruction records, got "
+                             f"{self.data.source!r}")
+        if self.lora.enabled and not self.model.init_from:
+            raise ValueError("lora.enabled: LoRA adapts a pretrained model; set model.init_from")
         return self
 
     # ---- derived values, computed from the keys above, never set by hand ----

@@ -57,6 +57,13 @@ def single_process_ok():
         yield
 
 
+def _options(trainable_only: bool):
+    """State-dict options: everything, or (LoRA) only the parameters that train."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -172,6 +179,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     files: dict[str, str],
     keep_last: int | None = None,
+    trainable_only: bool = False,
 ) -> Path:
     """Write checkpoints/step_{step} atomically; keep only the newest ``keep_last``.
 
@@ -188,9 +196,10 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(from_rank0(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=root) if rank() == 0 else None))
 
+    options = _options(trainable_only)
     state = {
-        "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer),
+        "model": get_model_state_dict(model, options=options),
+        "optim": get_optimizer_state_dict(model, optimizer, options=options),
     }
     with single_process_ok():
         dcp.save(state, checkpoint_id=str(tmp))
@@ -211,20 +220,21 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    verify: bool = True) -> dict[str, Any]:
+                    verify: bool = True, trainable_only: bool = False) -> dict[str, Any]:
     """Verify (unless the caller just did), then load model and optimizer in place; return this
-    rank's trainer state."""
+    rank's trainer state. ``trainable_only``: the checkpoint holds the trainable parameters only (LoRA)."""
     path = Path(path)
     if verify:
         verify_checkpoint(path)
+    options = _options(trainable_only)
     state = {
-        "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer),
+        "model": get_model_state_dict(model, options=options),
+        "optim": get_optimizer_state_dict(model, optimizer, options=options),
     }
     with single_process_ok():
         dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    set_model_state_dict(model, state["model"], options=options)
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
     rank_file = path / f"trainer_state_rank{rank()}.pt"
     if not rank_file.is_file():
         rank_file = path / "trainer_state_rank0.pt"  # fewer ranks wrote it; later issues reshard

@@ -26,6 +26,7 @@ SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
 RULES: list[tuple[str, str]] = [
     ("logging.", "bookkeeping"),
     ("optim.max_steps", "bookkeeping"),
+    ("optim.epochs", "bookkeeping"),
     ("experiment.name", "bookkeeping"),
     ("experiment.output_dir", "bookkeeping"),
     ("resume_from", "bookkeeping"),
@@ -37,6 +38,9 @@ RULES: list[tuple[str, str]] = [
     ("model.type", "shape"),
     ("model.preset", "shape"),
     ("data.tokenizer.vocab_size", "shape"),
+    ("lora.enabled", "shape"),
+    ("lora.rank", "shape"),
+    ("lora.target_modules", "shape"),
     *((f"model.overrides.{f}", "shape") for f in SHAPE_FIELDS),
     ("distributed.", "layout"),
     ("model.activation_checkpointing", "layout"),

@@ -19,6 +19,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -66,15 +67,16 @@ class Export:
     bytes: int
 
 
-def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max_shard_size: str = "5GB") -> Export:
+def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max_shard_size: str = "5GB",
+              merge: bool = False) -> Export:
     """Write the checkpoint ``source`` (or a run directory's newest) as a Hugging Face directory ``out``.
 
     ``dtype``: bf16, fp16 or fp32; default the recipe's precision (fp32 weights stay fp32).
+    A LoRA run's checkpoint (adapters only) is written as a peft adapter directory, or with ``merge``
+    as a whole model: its ``model.init_from`` base with W + (alpha / rank) B A folded in.
     ``out`` must not exist yet (or be empty): nothing is ever overwritten; it appears complete or not at all.
     """
-    import torch.distributed.checkpoint as dcp
     import yaml
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
     from transformers import GenerationConfig, LlamaConfig
 
@@ -85,50 +87,34 @@ def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max
     if not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt}: no config.json (written by an older canntrain); cannot export it")
     recipe = yaml.safe_load((ckpt / "recipe.resolved.yaml").read_text())
+    lora = recipe.get("lora", {}).get("enabled", False)
+    if merge and not lora:
+        raise BadInput(f"--merge: {ckpt} is not a LoRA run's checkpoint; there is no adapter to merge")
     dtype = dtype or {"bf16": "bf16", "fp16": "fp16"}.get(recipe["model"]["precision"], "fp32")
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    limit = parse_size(max_shard_size)
     config = LlamaConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
     config.architectures = ["LlamaForCausalLM"]
     config.dtype = DTYPES[dtype]
-
     meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    names = sorted((k.removeprefix("model.") for k in meta if k.startswith("model.")), key=_layer_order)
-    if config.tie_word_embeddings:
-        names = [n for n in names if n != "lm_head.weight"]  # transformers ties it back on load
-    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    shards: list[list[str]] = [[]]
-    size = 0
-    for n in names:
-        nbytes = meta[f"model.{n}"].size.numel() * itemsize
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(n)
-        size += nbytes
+    stored = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        weight_map, total, files = {}, 0, []
-        for i, group in enumerate(shards, start=1):
-            fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            part = {n: torch.empty(meta[f"model.{n}"].size, dtype=meta[f"model.{n}"].properties.dtype)
-                    for n in group}
-            with single_process_ok():
-                dcp.load({"model": part}, storage_reader=FileSystemReader(str(ckpt)))
-            part = {n: t.to(DTYPES[dtype]).contiguous() for n, t in part.items()}
-            save_file(part, str(tmp / fname), metadata={"format": "pt"})
-            total += sum(t.numel() * t.element_size() for t in part.values())
-            weight_map.update({n: fname for n in group})
-            files.append(fname)
-            del part
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        config.save_pretrained(tmp)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        if lora and not merge:
+            done = _write_adapter(ckpt, stored, recipe, tmp, DTYPES[dtype])
+        else:
+            if merge:
+                shapes, load = _merged_source(ckpt, stored, recipe)
+            else:
+                shapes = {n: v.size for n, v in stored.items()}
+                load = partial(_load_from_checkpoint, ckpt, stored)
+            if config.tie_word_embeddings:
+                shapes.pop("lm_head.weight", None)  # transformers ties it back on load
+            done = _write_shards(tmp, shapes, load, DTYPES[dtype], parse_size(max_shard_size))
+            config.save_pretrained(tmp)
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
         _write_tokenizer(ckpt, config, tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -136,7 +122,93 @@ def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Export(out, ckpt, files, len(names), total)
+    return Export(out, ckpt, *done)
+
+
+def _load_from_checkpoint(ckpt: Path, stored: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """These tensors, whole, read from the DCP checkpoint's files (whatever layout wrote them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    part = {n: torch.empty(stored[n].size, dtype=stored[n].properties.dtype) for n in names}
+    with single_process_ok():
+        dcp.load({"model": part}, storage_reader=FileSystemReader(str(ckpt)))
+    return part
+
+
+def _write_shards(out: Path, shapes: dict[str, torch.Size], load, dtype: torch.dtype, limit: int):
+    """Safetensors shards of at most ``limit`` bytes (and their index), loading one shard at a time.
+    Returns (files, tensors, bytes)."""
+    from safetensors.torch import save_file
+
+    names = sorted(shapes, key=_layer_order)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        nbytes = shapes[n].numel() * itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+    weight_map, total, files = {}, 0, []
+    for i, group in enumerate(shards, start=1):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        part = {n: t.to(dtype).contiguous() for n, t in load(group).items()}
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in part.values())
+        weight_map.update({n: fname for n in group})
+        files.append(fname)
+        del part
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files, len(names), total
+
+
+def _adapters(stored: dict) -> list[str]:
+    return [n for n in stored if "lora_A" in n or "lora_B" in n]
+
+
+def _write_adapter(ckpt: Path, stored: dict, recipe: dict, out: Path, dtype: torch.dtype):
+    """peft's format: adapter_config.json (peft's own writer) + adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    from canntrain_core.finetune.lora import peft_config, peft_key
+    from canntrain_core.recipe import LoraSettings
+
+    base = str(Path(recipe["model"]["init_from"]).resolve())
+    peft_config(LoraSettings(**recipe["lora"]), base).save_pretrained(out)
+    weights = {peft_key(n): t.to(dtype).contiguous() for n, t in _load_from_checkpoint(ckpt, stored, _adapters(stored)).items()}
+    save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return ["adapter_model.safetensors"], len(weights), sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def _merged_source(ckpt: Path, stored: dict, recipe: dict):
+    """The base model's tensors (from its init_from directory) with the adapters folded in, by shard."""
+    from safetensors import safe_open
+
+    from canntrain_core.models.hf import weight_files
+
+    base = Path(recipe["model"]["init_from"])
+    files = weight_files(base)
+    adapters = _load_from_checkpoint(ckpt, stored, _adapters(stored))  # small: rank x (in + out) per target
+    scale = recipe["lora"]["alpha"] / recipe["lora"]["rank"]
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        part = {}
+        for n in names:
+            with safe_open(str(base / files[n]["file"]), framework="pt") as f:
+                w = f.get_tensor(n).float()
+            a = adapters.get(n.replace(".weight", ".lora_A.default.weight"))
+            if a is not None:
+                b = adapters[n.replace(".weight", ".lora_B.default.weight")]
+                w = w + scale * (b.float() @ a.float())
+            part[n] = w
+        return part
+
+    return {n: torch.Size(v["shape"]) for n, v in files.items()}, load
 
 
 def _write_tokenizer(ckpt: Path, config, out: Path) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from canntrain_core.checkpoint import list_checkpoints
 from canntrain_core.errors import BadInput, CanntrainError
 from canntrain_core.train.metrics import read_metrics
 
@@ -88,10 +89,11 @@ def describe_run(run_dir: str | Path) -> str:
     """What a run directory holds and how the run ended, for the end of `make run`."""
     run_dir = Path(run_dir)
     lines = [f"run directory: {run_dir}"]
-    for name, what in [("recipe.resolved.yaml", "the recipe as it ran"), ("metrics.jsonl", "one JSON line per log step")]:
+    for name, what in [("recipe.resolved.yaml", "the recipe as it ran"), ("metrics.jsonl", "one JSON line per log step"),
+                       ("data.json", "what the data pipeline read, skipped and built")]:
         if (run_dir / name).is_file():
             lines.append(f"  {name:<24} {what}")
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    ckpts = list_checkpoints(run_dir / "checkpoints")
     if ckpts:
         lines.append(f"  {'checkpoints/':<24} {', '.join(p.name for p in ckpts)}")
     for png in sorted(run_dir.glob("plots/*.png")):

@@ -24,8 +24,9 @@ from canntrain_core.errors import BadInput
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # canntrain never downloads (DESIGN: no downloads at run time)
 
-# Module names a wrapper inserts into parameter names; Hugging Face names are the names without them.
-WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# Module names a wrapper inserts into parameter names; Hugging Face names are the names without them
+# (activation checkpointing, torch.compile, FSDP1, and peft's LoRA layer around a base projection).
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "base_layer.")
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -114,8 +115,9 @@ def weight_files(directory: str | Path) -> dict[str, dict[str, Any]]:
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, directory: str | Path) -> list[dict[str, Any]]:
-    """Fill every parameter of ``model`` (already materialized, possibly sharded) from DIR's safetensors.
+def load_weights(model: torch.nn.Module, directory: str | Path, skip=lambda name: False) -> list[dict[str, Any]]:
+    """Fill every parameter of ``model`` (already materialized, possibly sharded) from DIR's safetensors,
+    but those ``skip(name)`` says are not there (LoRA adapters).
 
     Each rank reads only its own slice of each tensor. Returns, for this rank, one row per tensor:
     name, file, full shape and the slice it read (the interop notebook tabulates them).
@@ -127,7 +129,7 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> list[dict[str
 
     d = Path(directory)
     available = weight_files(d)
-    state = {hf_name(n): p for n, p in model.named_parameters()}
+    state = {hf_name(n): p for n, p in model.named_parameters() if not skip(n)}
     problems = []
     for key, p in state.items():
         if key not in available:

@@ -31,16 +31,22 @@ def initial_value(name: str, shape: torch.Size, std: float, seed: int, device: t
     """The full fp32 initial value of the parameter called ``name`` (its Hugging Face name)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
-    if name.endswith(".bias"):
+    if name.endswith(".bias") or "lora_B" in name:  # a LoRA adapter starts as no change at all
         return torch.zeros(shape, device=device)
     generator = torch.Generator(device=device).manual_seed(parameter_seed(seed, name))
+    if "lora_A" in name:  # peft's kaiming-uniform (a = sqrt 5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        bound = shape[1] ** -0.5
+        return torch.empty(shape, device=device).uniform_(-bound, bound, generator=generator)
     return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
 
 @torch.no_grad()
-def init_weights(model: torch.nn.Module, config, seed: int) -> None:
-    """Fill every parameter of a materialized (``to_empty``) model, one full parameter at a time."""
+def init_weights(model: torch.nn.Module, config, seed: int, only=lambda name: True) -> None:
+    """Fill every parameter of a materialized (``to_empty``) model that ``only(name)`` selects, one full
+    parameter at a time."""
     for name, p in model.named_parameters():
+        if not only(name):
+            continue
         full = initial_value(hf_name(name), p.shape, config.initializer_range, seed, p.device)
         if isinstance(p, DTensor):
             full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)

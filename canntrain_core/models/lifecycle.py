@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from canntrain_core.finetune.lora import apply_lora, is_adapter
 from canntrain_core.models.fused import apply_kernels, loss_cross_entropy
 from canntrain_core.models.hf import load_weights
 from canntrain_core.models.init import init_weights, reset_buffers
@@ -49,6 +50,8 @@ def build_meta_model(recipe, config: LlamaConfig, device: torch.device, mesh=Non
     dims = dims or ParallelDims.from_recipe(recipe.distributed)
     with torch.device("meta"):
         hf_model = LlamaForCausalLM(config)
+    if recipe.lora.enabled:
+        apply_lora(hf_model, recipe.lora)
     cross_entropy = plain_cross_entropy
     if m.kernels != "eager" or m.kernel_overrides:
         apply_kernels(hf_model, m, device=device.type)
@@ -64,7 +67,8 @@ def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh
                          fill: bool = True) -> BuiltModel:
     """Steps 1-5 above for ``recipe`` (its model, distributed and seed) on ``device``.
 
-    ``fill=False`` skips step 5's weights (a resumed run loads every one of them from its checkpoint).
+    ``fill=False`` skips step 5's weights (a resumed run loads every one of them from its checkpoint;
+    a LoRA run fills its base from ``model.init_from`` on resume too: its checkpoints hold adapters only).
     """
     m = recipe.model
     model, schedule = build_meta_model(recipe, config, device, mesh, dims)
@@ -73,7 +77,8 @@ def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh
     if not fill:
         source = "weights from the checkpoint it resumes"
     elif m.init_from:
-        loaded = load_weights(model, m.init_from)
+        loaded = load_weights(model, m.init_from, skip=is_adapter)
+        init_weights(model, config, recipe.experiment.seed, only=is_adapter)  # LoRA adapters, if any
         source = f"weights from {m.init_from}"
     else:
         init_weights(model, config, recipe.experiment.seed)

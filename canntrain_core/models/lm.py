@@ -32,21 +32,27 @@ class CausalLM(nn.Module):
         layers = self.model.layers
         return layers.values() if isinstance(layers, nn.ModuleDict) else layers
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (or, on a later pipeline stage, hidden states) in; loss, logits or hidden states out.
 
-        With ``targets``: the mean next-token loss. Without: logits, or hidden states when this
-        module is a pipeline stage without the head.
+        With ``targets`` (-100 where nothing is trained): the mean next-token loss over the trained
+        targets. Without: logits, or hidden states when this module is a pipeline stage without the
+        head. ``position_ids`` / ``segment_ids``: packed instruction rows (positions restart per sample,
+        attention stays within a sample).
         """
         m = self.model
         # Positions from the input, which always holds the whole sequence (under sequence parallel
         # the embedding's output is only this rank's slice of it).
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        positions = position_ids if position_ids is not None else torch.arange(x.shape[1], device=x.device)[None]
+        mask = None  # SDPA applies the causal mask itself
+        if segment_ids is not None:  # block-diagonal causal: a token sees earlier tokens of its own sample
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]
+            mask = (same & torch.ones_like(same[0], dtype=torch.bool).tril())[:, None]
         h = m.embed_tokens(x) if m.embed_tokens is not None else x
         rope = m.rotary_emb(h, position_ids=positions)
         for layer in self.layers():
-            # attention_mask=None: SDPA applies the causal mask itself (no padding in packed data).
-            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rope)
         if self.lm_head is None:
             return h
         h = m.norm(h)
@@ -58,11 +64,17 @@ class CausalLM(nn.Module):
         return h if self.pipeline_last_stage else self.lm_head(h)
 
     pipeline_last_stage = False  # set by parallel.pp.split_stage
+    # Instruction data under a pipeline: the trainer sets a weight so that the schedule's mean of
+    # micro-batch losses becomes the mean over the step's trained tokens (see Trainer._token_weights).
+    token_weight: float | None = None
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of final hidden states: the recipe's cross-entropy kernel, on every
         layout (a pipeline's schedule calls this as its loss function)."""
-        return self.cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        loss = self.cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        if self.token_weight is not None:
+            loss = loss * (targets != -100).sum() * self.token_weight
+        return loss
 
 
 def causal_lm_loss(model, input_ids, targets, cross_entropy=plain_cross_entropy):

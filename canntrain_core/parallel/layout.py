@@ -23,6 +23,8 @@ class Layout:
     microbatches: int = 1  # per optimizer step: what a pipeline schedule splits the batch into
     offload_optimizer: bool = False
     precision: str = "fp32"
+    packing: bool = False  # packed instruction rows carry a block-diagonal mask
+    lora: bool = False
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "Layout":
@@ -31,7 +33,8 @@ class Layout:
                    cp=d.context_parallel_size, ep=d.expert_parallel_size, zero=d.zero_optimization,
                    sequence_parallel=d.sequence_parallel,
                    microbatches=d.num_microbatches or recipe.optim.grad_accum_steps,
-                   offload_optimizer=recipe.optim.offload_optimizer, precision=recipe.model.precision)
+                   offload_optimizer=recipe.optim.offload_optimizer, precision=recipe.model.precision,
+                   packing=recipe.train_mode == "sft" and recipe.data.packing, lora=recipe.lora.enabled)
 
     @classmethod
     def from_setup(cls, s: Any) -> "Layout":
@@ -69,6 +72,12 @@ def layout_problems(layout: Layout, model: Any = None, devices_per_node: int | N
                    f"{L.microbatches} (raise optim.grad_accum_steps or distributed.num_microbatches)")
     if L.pp > 1 and L.precision == "fp16":
         out.append("model.precision=fp16 with pipeline parallel is not supported; use bf16")
+    if L.packing and L.pp > 1:
+        out.append("data.packing with pipeline_parallel_size > 1 is not supported: a stage receives hidden states "
+                   "only, not the samples' positions and mask (train unpacked, or without pipeline parallel)")
+    if L.lora and (L.tp > 1 or L.pp > 1):
+        out.append("lora.enabled with tensor or pipeline parallel is not supported yet (peft's layers wrap the "
+                   "projections the TP plan shards); use FSDP2 (zero_optimization >= 1) or one device")
     if L.offload_optimizer and not L.fsdp:
         out.append("optim.offload_optimizer needs FSDP2 (distributed.zero_optimization >= 1 and "
                    "data_parallel_size > 1): its CPUOffloadPolicy is what offloads; DDP and one rank cannot")

@@ -21,6 +21,9 @@ from tqdm.auto import tqdm
 from canntrain_core import checkpoint
 from canntrain_core.checkpoint.drift import check_resume
 from canntrain_core.data import build_data, pretrained_tokenizer
+from canntrain_core.finetune.data import build_sft_data, chat_template_of
+from canntrain_core.finetune.evaluate import exact_match
+from canntrain_core.finetune.lora import trainable_summary
 from canntrain_core.errors import BadInput, OutOfMemory
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
@@ -106,16 +109,28 @@ class Trainer:
 
         seed_everything(r.experiment.seed)
         self.dp = dp_coordinates(self.mesh, self.dims)  # (data-parallel rank, size)
-        self.data = build_data(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1],
-                               **pretrained_tokenizer(m.init_from, config))
+        build = build_sft_data if r.train_mode == "sft" else build_data
+        extra = {"chat_template": chat_template_of(m.init_from)} if r.train_mode == "sft" else {}
+        self.data = build(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1],
+                          **pretrained_tokenizer(m.init_from, config), **extra)
+        if r.optim.epochs:  # max_steps from the data: epochs x this rank's rows / rows per step
+            steps = math.ceil(r.optim.epochs * self.data.sampler.samples_per_epoch / (r.data.batch_size * r.optim.grad_accum_steps))
+            if self.rank == 0:
+                print(f"optim.epochs={r.optim.epochs:g}: {steps} steps ({self.data.sampler.samples_per_epoch} rows "
+                      f"per data-parallel rank per epoch)")
+            r.optim.max_steps = steps
         if not m.init_from:  # the trained tokenizer's EOS, for generate() and an exported model
             config.bos_token_id, config.eos_token_id = None, self.data.eos_id
-        built = build_training_model(r, config, self.acc.device, self.mesh, self.dims, fill=resume_path is None)
+        # a LoRA checkpoint holds the adapters only: its base comes from init_from on resume too
+        built = build_training_model(r, config, self.acc.device, self.mesh, self.dims,
+                                     fill=resume_path is None or r.lora.enabled)
         self.model, self.schedule = built.model, built.schedule
         self.loaded_from = built.loaded  # init_from: this rank's tensors and the slices it read
         if self.rank == 0 and r.optim.offload_optimizer and self.acc.type == "cpu":
             print("optim.offload_optimizer: FSDP2's CPUOffloadPolicy is applied, but on this CPU-only host "
                   "parameters, gradients and optimizer states are in host memory already: a no-op here")
+        if self.rank == 0 and r.lora.enabled:
+            print(f"LoRA rank {r.lora.rank} on {', '.join(r.lora.target_modules)}: {trainable_summary(self.model)}")
         if self.rank == 0 and m.init_from and resume_path is None:
             given = self.data.info["tokenizer_source"] == "given"
             print(f"model: {built.source} (the architecture from its config.json); tokenizer: "
@@ -174,9 +189,9 @@ class Trainer:
             micro_batches = []
             for _ in range(accum):
                 micro_batches.append(next(train_iter))
-                self.data.sampler.advance(len(micro_batches[-1]))
+                self.data.sampler.advance(r.data.batch_size)
             try:
-                loss = self.train_step([b.to(acc.device, non_blocking=True) for b in micro_batches])
+                loss = self.train_step(micro_batches)
             except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
                 if not _is_oom(e):
                     raise
@@ -205,6 +220,8 @@ class Trainer:
                     "step_time": dt,
                     "peak_memory_bytes": acc.peak_memory_bytes(),
                 }
+                if "padding_fraction" in self.data.info:  # instruction rows: tokens that are not padding
+                    record["real_tokens_per_second"] = record["tokens_per_second"] * (1 - self.data.info["padding_fraction"])
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
             if self.step % r.logging.eval_interval == 0 or self.step == max_steps:
                 record.update(self.evaluate(val_batches))
@@ -219,32 +236,71 @@ class Trainer:
         bar.close()
         return self.result()  # plots are drawn from metrics.jsonl by the CLI and the notebooks
 
-    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """Forward and backward over one optimizer step's micro-batches; returns the mean loss
+    def train_step(self, micro_batches: list) -> torch.Tensor:
+        """Forward and backward over one optimizer step's micro-batches; returns the step's loss
         (zero on pipeline stages without the head)."""
         acc, precision = self.acc, self.recipe.model.precision
+        parts = [self._model_args(b) for b in micro_batches]
+        weights = self._token_weights([t for _, t, _ in parts])
         if self.schedule is not None:
-            batch = torch.cat(micro_batches)  # the schedule splits it into its micro-batches again
+            x, t = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # the schedule re-splits
+            self.model.token_weight = None if weights is None else self._pp_token_weight
             with acc.autocast(precision):
-                return self._pipeline(self.schedule.step, batch)
+                return self._pipeline(self.schedule.step, x, t)
         loss_sum = torch.zeros((), device=acc.device)
-        for i, batch in enumerate(micro_batches):
-            sync_gradients(self.model, self.recipe.distributed.zero_optimization, last=i == len(micro_batches) - 1)
+        for i, (x, t, kw) in enumerate(parts):
+            sync_gradients(self.model, self.recipe.distributed.zero_optimization, last=i == len(parts) - 1)
             with acc.autocast(precision):
-                loss = self.model(batch[:, :-1], batch[:, 1:])
-            # Each micro-batch holds the same number of tokens, so the mean of micro-batch
-            # means is the mean over the whole accumulated batch.
-            self.scaler.scale(loss / len(micro_batches)).backward()
-            loss_sum += loss.detach()
-        return loss_sum / len(micro_batches)
+                loss = self.model(x, t, **kw)
+            # Pretraining rows hold the same number of tokens: the mean of micro-batch means is the
+            # step's mean. Instruction rows do not: each loss is weighted by its share of the step's
+            # trained tokens over all data-parallel ranks (x dp: the gradient reduction averages).
+            part = loss / len(parts) if weights is None else loss * weights[i]
+            self.scaler.scale(part).backward()
+            loss_sum += part.detach()
+        return loss_sum
 
-    def _pipeline(self, run, batch: torch.Tensor) -> torch.Tensor:
+    def _model_args(self, batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(inputs, targets, extra model arguments) of one micro-batch, on the device."""
+        dev = self.acc.device
+        if isinstance(batch, dict):  # instruction rows: labels -100 where nothing is trained
+            b = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+            extra = {"position_ids": b["position_ids"][:, :-1]}
+            if "segment_ids" in b:
+                extra["segment_ids"] = b["segment_ids"][:, :-1]
+            return b["input_ids"][:, :-1], b["labels"][:, 1:], extra
+        batch = batch.to(dev, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:], {}
+
+    def _token_weights(self, targets: list[torch.Tensor]) -> list[float] | None:
+        """Instruction data: each micro-batch's weight = its trained tokens / the step's, times dp."""
+        if self.recipe.train_mode == "pretrain":
+            return None
+        counts = [int((t != -100).sum()) for t in targets]
+        total = self._sum_over_dp(torch.tensor(float(sum(counts)), device=self.acc.device), everywhere=True)
+        dp = self.dims.dp
+        n_micro = self.schedule._n_microbatches if self.schedule is not None else len(targets)
+        self._pp_token_weight = n_micro * dp / total  # the schedule averages its micro-batch losses
+        return [c * dp / total for c in counts]
+
+    def _sum_over_dp(self, value: torch.Tensor, everywhere: bool = False) -> float:
+        """The sum over data-parallel ranks of a value every tp/cp rank holds a copy of (the last pipeline
+        stage only, unless ``everywhere``)."""
+        if not dist.is_initialized():
+            return value.item()
+        mine = value if (self.has_loss or everywhere) else torch.zeros_like(value)
+        total = mine.detach().float().clone()
+        dist.all_reduce(total)
+        copies = self.dims.tp * self.dims.cp * (self.dims.pp if everywhere else 1)
+        return (total / copies).item()
+
+    def _pipeline(self, run, x: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
         """One schedule.step / schedule.eval: the first stage feeds inputs, the last gets targets."""
         stage = self.mesh.get_local_rank("pp")
         first, last = stage == 0, stage == self.dims.pp - 1
         losses: list[torch.Tensor] = []
-        args = (batch[:, :-1],) if first else ()
-        kwargs = {"target": batch[:, 1:], "losses": losses} if last else {}
+        args = (x,) if first else ()
+        kwargs = {"target": t, "losses": losses} if last else {}
         run(*args, **kwargs)
         return torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.acc.device)
 
@@ -266,18 +322,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
     @torch.no_grad()
-    def evaluate(self, batches: list[torch.Tensor]) -> dict[str, float]:
+    def evaluate(self, batches: list) -> dict[str, float]:
+        """Validation loss (for instruction data: the mean over trained tokens); with
+        ``logging.eval_exact_match``, the share of held-out answers generated exactly."""
         self.model.eval()
-        losses = []
+        sums, counts = [], []
         for batch in batches:
-            batch = batch.to(self.acc.device)
+            x, t, kw = self._model_args(batch)
+            n = (t != -100).sum().float()
             with self.acc.autocast(self.recipe.model.precision):
                 if self.schedule is not None:
-                    losses.append(self._pipeline(self.schedule.eval, batch))
+                    self.model.token_weight = self.schedule._n_microbatches if self.recipe.train_mode != "pretrain" else None
+                    loss = self._pipeline(self.schedule.eval, x, t)
                 else:
-                    losses.append(self.model(batch[:, :-1], batch[:, 1:]))
-        val_loss = self._mean_over_ranks(torch.stack(losses).mean())
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+                    loss = self.model(x, t, **kw)
+            sums.append(loss if self.recipe.train_mode == "pretrain" else loss * (1 if self.schedule else n))
+            counts.append(n)
+        if self.recipe.train_mode == "pretrain":  # equal rows: the mean of batch means
+            val_loss = self._mean_over_ranks(torch.stack(sums).mean())
+        else:
+            val_loss = self._sum_over_dp(torch.stack(sums).sum()) / self._sum_over_dp(torch.stack(counts).sum())
+        out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        n_em = self.recipe.logging.eval_exact_match
+        if n_em and self.schedule is None:  # every rank generates the same answers, in lockstep
+            out["val_exact_match"], _ = exact_match(self.model, self.data.eval_examples[:n_em], self.data.decode,
+                                                    self.data.eos_id)
+        return out
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
@@ -295,11 +365,12 @@ class Trainer:
             self.ckpt_root, self.step, self.model, self.optimizer, state,
             {"recipe.resolved.yaml": self.recipe.to_yaml(), "config.json": self.model_config.to_json_string(),
              "tokenizer.json": self.data.tokenizer.to_str()},
-            keep_last=self.recipe.logging.keep_last,
+            keep_last=self.recipe.logging.keep_last, trainable_only=self.recipe.lora.enabled,
         )
 
     def _load(self, path: Path) -> None:
-        state = checkpoint.load_checkpoint(path, self.model, self.optimizer, verify=False)  # verified above
+        state = checkpoint.load_checkpoint(path, self.model, self.optimizer, verify=False,  # verified above
+                                           trainable_only=self.recipe.lora.enabled)
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,32 @@
+"""`canntrain tasks OUT.jsonl [--n 4000] [--seed 0] [--kinds reverse,sort,add,upper]`: instruction data with
+answers a program can check (canntrain_core/finetune/tasks.py), for the tiny SFT, LoRA and RLHF recipes."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from canntrain_core.finetune.tasks import KINDS
+
+    p = sub.add_parser("tasks", help="write verifiable instruction data (JSONL) for the tiny fine-tuning recipes")
+    p.add_argument("output", help="the .jsonl file to write")
+    p.add_argument("--n", type=int, default=4000, help="records (default 4000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from canntrain_core.errors import BadInput
+    from canntrain_core.finetune.data import write_jsonl
+    from canntrain_core.finetune.tasks import KINDS, task_records
+
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds or args.n < 1:
+        raise BadInput(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})" if unknown
+                       else "--n must be >= 1 and --kinds name at least one task")
+    path = write_jsonl(args.output, task_records(args.n, args.seed, kinds))
+    print(f"wrote {args.n} records ({', '.join(kinds)}) to {path}")
+    return 0

@@ -1,0 +1,228 @@
+"""``build_sft_data``: instruction JSONL in, fixed-length training rows with loss masks out.
+
+Each row holds ``seq_length + 1`` tokens (inputs and shifted targets), as pretraining rows do:
+
+- ``input_ids``; ``labels``: the token where it is trained on, -100 elsewhere (never the first token
+  of a sample, so a packed row never trains one sample's start on the end of the one before);
+- ``position_ids``: restart at 0 for every sample;
+- with ``data.packing``: ``segment_ids`` (1, 2, ... per sample, 0 for padding), from which the model
+  builds a block-diagonal causal mask, so attention never crosses samples. Without packing each row
+  holds one sample, right-padded: causal attention alone never lets a real token see the padding.
+
+Samples longer than a row follow ``data.truncation`` (``truncate_prompt`` drops prompt tokens from the
+left, never the final answer; ``drop``); one that still does not fit is a bad record (file and line).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from canntrain_core.data.cache import DataError
+from canntrain_core.data.sampler import ResumableSampler
+from canntrain_core.finetune.format import ChatFormat, Encoded
+from canntrain_core.finetune.records import Conversation, read_conversations
+
+IGNORE = -100
+
+
+@dataclass
+class Sample:
+    name: str
+    enc: Encoded
+
+
+class Rows(Dataset):
+    """Fixed-length rows of dict tensors (see the module docstring)."""
+
+    def __init__(self, rows: list[dict[str, torch.Tensor]]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+def fit_sample(s: Sample, length: int, policy: str) -> Encoded | str:
+    """The sample cut to ``length`` tokens by the truncation policy, or why it cannot be."""
+    e = s.enc
+    n = len(e.ids)
+    if n <= length:
+        return e
+    over = n - length
+    if policy == "drop":
+        return f"over-long: {n} tokens > {length} (data.seq_length + 1; data.truncation=drop)"
+    if over > e.prompt_len:
+        return (f"over-long: the final answer alone needs {n - e.prompt_len} tokens of {length} "
+                "(answers are never truncated)")
+    return Encoded(e.ids[over:], e.trained[over:], e.prompt_len - over)
+
+
+def make_rows(samples: list[Encoded], length: int, pad_id: int, packing: bool) -> tuple[list[dict], dict]:
+    """Pack (or pad) encoded samples into rows of ``length``; also the padding statistics."""
+    groups: list[list[Encoded]] = []
+    used = 0
+    for e in samples:
+        if packing and groups and used + len(e.ids) <= length:
+            groups[-1].append(e)
+            used += len(e.ids)
+        else:
+            groups.append([e])
+            used = len(e.ids)
+    rows = []
+    real = 0
+    for group in groups:
+        ids, labels, pos, seg = [], [], [], []
+        for k, e in enumerate(group, start=1):
+            ids += e.ids
+            labels += [IGNORE] + [t if m else IGNORE for t, m in zip(e.ids[1:], e.trained[1:])]
+            pos += range(len(e.ids))
+            seg += [k] * len(e.ids)
+        real += len(ids)
+        pad = length - len(ids)
+        row = {"input_ids": ids + [pad_id] * pad, "labels": labels + [IGNORE] * pad,
+               "position_ids": pos + [0] * pad}
+        if packing:
+            row["segment_ids"] = seg + [0] * pad
+        rows.append({k: torch.tensor(v, dtype=torch.long) for k, v in row.items()})
+    stats = {"rows": len(rows), "samples": len(samples), "padding_fraction": 1 - real / max(1, len(rows) * length)}
+    return rows, stats
+
+
+def _is_val(name: str, fraction: float) -> bool:
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 2**32 < fraction
+
+
+@dataclass
+class SFTBundle:
+    """What the trainer and the notebooks need from instruction data (the pretraining bundle's interface)."""
+
+    cfg: Any
+    tokenizer: Any
+    vocab_size: int
+    eos_id: int
+    format: ChatFormat
+    train: Rows
+    val: Rows | None
+    sampler: ResumableSampler
+    eval_examples: list[tuple[list[int], str]]  # held-out (prompt ids, expected answer) for exact match
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def train_loader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=self.cfg.batch_size, sampler=self.sampler,
+                          num_workers=self.cfg.num_workers, persistent_workers=self.cfg.persistent_workers,
+                          drop_last=True)
+
+    def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
+        if self.val is None:
+            raise DataError("no validation split: data.val_fraction is 0")
+        per_round = batch_size * dp_size
+        total = min(n_samples, len(self.val)) // per_round * per_round
+        if total == 0:
+            raise DataError(f"the val split has {len(self.val)} rows, fewer than one batch on every rank "
+                            f"({batch_size} x {dp_size}); raise data.val_fraction or lower data.batch_size")
+        mine = list(range(dp_rank, total, dp_size))
+        return [{k: torch.stack([self.val[i][k] for i in mine[j:j + batch_size]]) for k in self.val[0]}
+                for j in range(0, len(mine), batch_size)]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def build_sft_data(cfg, seed: int, dp_rank: int = 0, dp_size: int = 1, tokenizer=None, vocab_size: int | None = None,
+                   chat_template=None) -> SFTBundle:
+    """Read ``cfg.source`` (JSONL), format, mask, truncate, split, pack; see the module docstring.
+
+    ``tokenizer`` (a data.tokenizer.TrainedTokenizer) comes with the model (``model.init_from``); without
+    one a byte-level BPE tokenizer is trained on the conversations. ``chat_template``: a transformers
+    tokenizer whose chat template formats the text instead of ``cfg.template``.
+    """
+    start = time.perf_counter()
+    convs, bad = read_conversations(cfg.source, cfg.format, cfg.on_bad_record)
+    given = tokenizer is not None
+    if tokenizer is None:
+        tokenizer = _train_tokenizer(convs, cfg)
+        vocab_size = cfg.tokenizer.vocab_size
+    vocab_size = vocab_size or cfg.tokenizer.vocab_size
+    if tokenizer.tokenizer.get_vocab_size() > vocab_size:
+        raise DataError(f"{tokenizer.path}: the tokenizer has {tokenizer.tokenizer.get_vocab_size()} tokens, more "
+                        f"than the model's {vocab_size} embedding rows (vocab_size)")
+    fmt = ChatFormat(tokenizer.tokenizer, tokenizer.eos_id, cfg.template, chat_template)
+    length = cfg.seq_length + 1
+    splits: dict[str, list[Encoded]] = {"train": [], "val": []}
+    evals = []
+    for conv in convs:
+        fitted = fit_sample(Sample(conv.name, fmt.encode(conv, cfg.train_on)), length, cfg.truncation)
+        if isinstance(fitted, str):
+            if cfg.on_bad_record == "error":
+                file, line = conv.name.rsplit(":", 1)
+                raise DataError(f"{Path(cfg.source)}, line {line}: {fitted} (or set data.on_bad_record=skip)")
+            bad.append(f"{conv.name}: {fitted}")
+            continue
+        split = "val" if _is_val(conv.name, cfg.val_fraction) else "train"
+        splits[split].append(fitted)
+        if split == "val":
+            evals.append((fitted.ids[: fitted.prompt_len], conv.answer))
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(splits["train"]), generator=g).tolist()  # packing neighbours: a fixed shuffle
+    train_rows, train_stats = make_rows([splits["train"][i] for i in order], length, tokenizer.eos_id, cfg.packing)
+    val_rows, val_stats = make_rows(splits["val"], length, tokenizer.eos_id, cfg.packing) if splits["val"] else ([], {})
+    if not train_rows:
+        raise DataError(f"{cfg.source}: no training rows ({len(bad)} record(s) left out)")
+    trained = sum(int((r["labels"] != IGNORE).sum()) for r in train_rows)
+    info = {"source": str(cfg.source), "records": len(convs), "bad_records": len(bad), "bad_record_examples": bad[:10],
+            "train_samples": train_stats["samples"], "train_rows": train_stats["rows"],
+            "val_samples": len(splits["val"]), "val_rows": len(val_rows), "packing": cfg.packing,
+            "padding_fraction": round(train_stats["padding_fraction"], 4),
+            "trained_tokens_per_epoch": trained, "tokenizer_path": str(tokenizer.path),
+            "tokenizer_source": "given" if given else "trained",
+            "chat_template": "tokenizer's" if chat_template is not None else "data.template",
+            "total_seconds": round(time.perf_counter() - start, 3)}
+    sampler = ResumableSampler(len(train_rows), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+    return SFTBundle(cfg, tokenizer.tokenizer, vocab_size, tokenizer.eos_id, fmt, Rows(train_rows),
+                     Rows(val_rows) if val_rows else None, sampler, evals, info)
+
+
+def chat_template_of(init_from: str | None):
+    """The transformers tokenizer of a model directory whose tokenizer_config.json has a chat template."""
+    if not init_from:
+        return None
+    cfg = Path(init_from) / "tokenizer_config.json"
+    if not cfg.is_file() or not json.loads(cfg.read_text()).get("chat_template"):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(init_from)
+
+
+def _train_tokenizer(convs: list[Conversation], cfg):
+    """A byte-level BPE tokenizer trained on the conversations themselves (no model to bring one)."""
+    from canntrain_core.data.cache import resolve_cache_dir
+    from canntrain_core.data.corpus import Corpus, Document, _content_hash, _files_hash
+    from canntrain_core.data.tokenizer import get_tokenizer
+
+    docs = [Document(c.name, "\n".join(t for _, t in c.turns)) for c in convs]
+    corpus = Corpus(str(cfg.source), tuple(docs), sum(d.n_bytes for d in docs), _files_hash(docs), _content_hash(docs))
+    return get_tokenizer(corpus, cfg.tokenizer, resolve_cache_dir(cfg.cache_dir))
+
+
+def write_jsonl(path: str | Path, records: list[dict]) -> Path:
+    """Write records one JSON object per line (the instruction data format build_sft_data reads)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return path

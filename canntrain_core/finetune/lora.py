@@ -1,0 +1,50 @@
+"""LoRA through peft: adapters injected into the (meta) transformers model, the base frozen.
+
+``lora: {enabled, rank, alpha, dropout, target_modules}`` puts peft's ``lora.Linear`` around each
+target projection (default q/k/v/o). Only ``lora_A``/``lora_B`` train and enter the optimizer;
+checkpoints hold only them (the base comes from ``model.init_from`` on every start and resume).
+The adapter's initial values follow peft's: A uniform in +-1/sqrt(fan_in) (kaiming-uniform with
+a = sqrt 5), B zero, so the adapted model starts as the base; here A is drawn per parameter from
+the recipe seed (``models.init``), so it does not depend on the layout.
+
+``canntrain export RUN_DIR -o DIR`` then writes the adapter in peft's own format (adapter_config.json
++ adapter_model.safetensors, ``PeftModel.from_pretrained`` loads it) and ``--merge`` a plain Hugging
+Face model with W + (alpha / rank) B A folded in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_adapter(name: str) -> bool:
+    return "lora_A" in name or "lora_B" in name
+
+
+def peft_config(lora, base: str | None = None):
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM",
+                      base_model_name_or_path=base)
+
+
+def apply_lora(hf_model: torch.nn.Module, lora) -> None:
+    """Inject peft's LoRA layers into ``hf_model`` in place and freeze everything else."""
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(peft_config(lora), hf_model)
+    for name, p in hf_model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+
+
+def trainable_summary(model: torch.nn.Module) -> str:
+    """peft's ``print_trainable_parameters`` line (DTensor parameters counted whole)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
+
+
+def peft_key(name: str) -> str:
+    """Our adapter parameter name -> the key peft's adapter_model.safetensors uses."""
+    return "base_model.model." + name.replace(".default", "")
