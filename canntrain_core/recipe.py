@@ -283,9 +283,10 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _stage_keys(self) -> "Recipe":
         """Keys of one stage set in a recipe of another would do nothing: refuse them."""
-        if self.train_mode == "pretrain":
-            sft_only = [f"data.{k}" for k in SFT_DATA_KEYS if k in self.data.model_fields_set]
-            sft_only += ["logging.eval_exact_match"] * ("eval_exact_match" in self.logging.model_fields_set)
+        if self.train_mode == "pretrain":  # (defaults are fine: a resolved recipe writes every key)
+            default = DataConfig()
+            sft_only = [f"data.{k}" for k in SFT_DATA_KEYS if getattr(self.data, k) != getattr(default, k)]
+            sft_only += ["logging.eval_exact_match"] * (self.logging.eval_exact_match != 0)
             sft_only += ["lora.enabled"] * self.lora.enabled
             if sft_only:
                 raise ValueError(f"{', '.join(sft_only)}: only train_mode sft reads these")

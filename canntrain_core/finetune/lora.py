@@ -48,3 +48,17 @@ def trainable_summary(model: torch.nn.Module) -> str:
 def peft_key(name: str) -> str:
     """Our adapter parameter name -> the key peft's adapter_model.safetensors uses."""
     return "base_model.model." + name.replace(".default", "")
+
+
+def load_with_peft(base_dir, adapter_dir):
+    """transformers' model of ``base_dir`` with peft's ``PeftModel.from_pretrained`` adapter on top, in
+    eval mode (peft's own loader; the deprecation warning it triggers inside transformers is not ours
+    to act on)."""
+    import warnings
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()

@@ -8,7 +8,7 @@ Each item is space-separated so every character is its own token whatever the to
 - upper:   ``Uppercase: a b c``              -> ``A B C``
 
 :func:`task_records` writes alpaca-style records; :func:`score` is the programmatic check (exact
-match after stripping), which the alignment recipes reuse as their true reward.
+match after stripping); :func:`partial_score` its graded form, the alignment recipes' true reward.
 """
 
 from __future__ import annotations
@@ -50,3 +50,13 @@ def task_records(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[
 def score(answer: str, expected: str) -> float:
     """1.0 for an exact match (surrounding whitespace aside), else 0.0."""
     return float(answer.strip() == expected.strip())
+
+
+def partial_score(answer: str, expected: str) -> float:
+    """The share of the expected space-separated items the answer has in place, over the longer of the
+    two (so extra items cost too): 1.0 exactly when :func:`score` is 1. The alignment recipes' true
+    reward: denser than exact match, so a policy gets a signal before it is fully right."""
+    got, want = answer.split(), expected.split()
+    if not got and not want:
+        return 1.0
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))

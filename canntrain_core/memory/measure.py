@@ -187,3 +187,42 @@ def _categorize(raw: dict[str, int], params: int, grads: int, states: int) -> di
         "optimizer_step_temporaries": temps,
         "activations": raw.get("Activation", 0) + temp + raw.get("Other", 0),
     }
+
+
+def measure_trainer_step(trainer) -> Measurement:
+    """Peak memory by category of one more real optimizer step of a Trainer's model (any device),
+    booked by the same tracker as :func:`measure_fake`: what the notebooks put beside the estimate.
+
+    The step changes the model (and the data position is not advanced): measure after training.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, opt = trainer.model, trainer.optimizer
+    loader = iter(trainer.data.train_loader())
+    batches = [next(loader) for _ in range(trainer.recipe.optim.grad_accum_steps)]
+    t0 = time.perf_counter()
+    tracker = MemTracker()
+    # The tracker hooks every parameter's gradient and fails on frozen ones (LoRA's base): it gets a
+    # placeholder instead, which the tracker's own clean-up removes like a hook.
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    tracker.track_external(model, opt)
+    with tracker, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking", category=UserWarning)
+        trainer.train_step(batches)
+        grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    peak = tracker.get_tracker_snapshot("peak")
+    raw = {(k.value if hasattr(k, "value") else str(k)): v for k, v in next(iter(peak.values())).items()}
+    params = sum(_local_bytes(p) for p in model.parameters())
+    states = _opt_bytes(opt)
+    model_states = {"parameters": params, "gradients": grads, "optimizer_states": states}
+    return Measurement(_categorize(raw, params, grads, states), raw["Total"], time.perf_counter() - t0, model_states, raw)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass

@@ -104,13 +104,23 @@ def setup_from_recipe(recipe: Any, **extra: Any) -> TrainSetup:
         # What the trainer does: SP when the recipe asks; embedding and head stay replicated.
         sequence_parallel=d.sequence_parallel,
         vocab_parallel=False,
+        lora=LoraSetup(recipe.lora.rank, tuple(recipe.lora.target_modules)) if recipe.lora.enabled else None,
     )
     fields.update(extra)
     return TrainSetup(**fields)
 
 
 def shape_from_recipe(recipe: Any) -> ModelShape:
-    """The ModelShape of a recipe's model section (preset + overrides, tokenizer vocab size)."""
+    """The ModelShape of a recipe's model section: ``model.init_from``'s config.json when that directory
+    is here, else the preset + overrides with the tokenizer's vocab size (so a recipe for a cluster can
+    be estimated on a laptop: name the preset beside init_from)."""
+    from pathlib import Path
+
     m = recipe.model
+    if m.init_from and (Path(m.init_from) / "config.json").is_file():
+        from canntrain_core.memory.shapes import shape_of
+        from canntrain_core.models.registry import model_config
+
+        return shape_of(model_config(m))
     vocab = None if "vocab_size" in m.overrides else recipe.data.tokenizer.vocab_size
     return shape_from_preset(m.preset, m.overrides, vocab)

@@ -1,0 +1,191 @@
+"""Fine-tuning: instruction formats and loss masks, packing, full SFT on the verifiable task, LoRA via peft.
+
+Measured here (tiny Llama pretrained 60 steps on the stdlib, then 400 SFT steps of 32 packed rows on
+the sort/uppercase task): held-out exact match 0.0 before, 0.38 after; the test asserts >= 0.2.
+LoRA: peft's PeftModel.from_pretrained on the export gives canntrain's logits to 0.0, the merged export
+to 3e-6 (tolerance 1e-4); LoRA under FSDP2 on 2 gloo ranks matches one process to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import pre_tokenizers, trainers
+
+from canntrain_core.checkpoint.export import export_hf
+from canntrain_core.data.tokenizer import new_byte_level_bpe
+from canntrain_core.finetune.data import build_sft_data, write_jsonl
+from canntrain_core.finetune.evaluate import exact_match
+from canntrain_core.finetune.format import ChatFormat
+from canntrain_core.finetune.records import Conversation, parse_record
+from canntrain_core.finetune.tasks import task_records
+from canntrain_core.jobs.layouts import launch_layouts, run_layouts
+from canntrain_core.recipe import TemplateConfig, load_recipe
+from canntrain_core.train.metrics import read_metrics
+from canntrain_core.train.trainer import Trainer
+from conftest import FAST, TINY
+
+EOS = "<|endoftext|>"
+RECORDS = {
+    "alpaca": {"system": "Be brief.", "instruction": "Add", "input": "2 + 3", "output": "5"},
+    "messages": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2 + 3"},
+                              {"role": "assistant", "content": "5"}, {"role": "user", "content": "And 4 + 4?"},
+                              {"role": "assistant", "content": "8"}]},
+    "sharegpt": {"conversations": [{"from": "human", "value": "Add 2 + 3"}, {"from": "gpt", "value": "5"},
+                                   {"from": "human", "value": "And 4 + 4?"}, {"from": "gpt", "value": "8"}]},
+}
+TRAINED = {  # what each train_on mode trains on, as text (the first token of a sample never is a target)
+    ("alpaca", "assistant"): "5" + EOS, ("alpaca", "last"): "5" + EOS,
+    ("messages", "assistant"): "5" + EOS + "8" + EOS, ("messages", "last"): "8" + EOS,
+    ("sharegpt", "assistant"): "5" + EOS + "8" + EOS, ("sharegpt", "last"): "8" + EOS,
+}
+SFT = {"train_mode": "sft", "data.seq_length": 32, "data.batch_size": 32, "data.val_fraction": 0.03,
+       "data.packing": True, "data.template.user": "{content} =", "data.template.assistant": " {content}{eos}",
+       "optim.weight_decay": 0.0, "optim.warmup_steps": 10, "logging.log_interval": 1, "logging.eval_batches": 1,
+       "logging.ckpt_interval": 10000}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = new_byte_level_bpe()
+    tok.train_from_iterator([json.dumps(r) for r in RECORDS.values()] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return tok
+
+
+@pytest.mark.parametrize("fmt, train_on", [*TRAINED, ("messages", "all")], ids=lambda v: str(v))
+def test_the_loss_mask_covers_exactly_the_trained_tokens(tokenizer, fmt, train_on):
+    conv = Conversation("x.jsonl:1", parse_record(RECORDS[fmt]))
+    enc = ChatFormat(tokenizer, tokenizer.token_to_id(EOS), TemplateConfig()).encode(conv, train_on)
+    trained = tokenizer.decode([t for t, m in zip(enc.ids, enc.trained) if m], skip_special_tokens=False)
+    if train_on == "all":
+        assert all(enc.trained) and trained.startswith("Be brief.")
+    else:
+        assert trained == TRAINED[fmt, train_on]
+    # generation starts right where the final answer does
+    assert tokenizer.decode(enc.ids[enc.prompt_len:], skip_special_tokens=False) == conv.answer + EOS
+
+
+def _task_data(tmp_path, n=4000, kinds=("sort", "upper")) -> str:
+    return str(write_jsonl(tmp_path / "tasks.jsonl", task_records(n, seed=0, kinds=kinds)))
+
+
+def test_packed_rows_give_each_sample_the_loss_it_has_alone(tmp_path, data_cache):
+    from canntrain_core.models.lifecycle import build_training_model
+    from canntrain_core.models.registry import model_config
+
+    src = write_jsonl(tmp_path / "t.jsonl", task_records(40, seed=3))
+    cfg = lambda packing: load_recipe(TINY, {**SFT, "data.source": str(src), "data.packing": packing,  # noqa: E731
+                                             "data.tokenizer.vocab_size": 300, "data.cache_dir": data_cache,
+                                             "data.val_fraction": 0.0, "data.seq_length": 96})
+    packed, alone = build_sft_data(cfg(True).data, seed=0), build_sft_data(cfg(False).data, seed=0)
+    row = packed.train[0]
+    assert int(row["segment_ids"].max()) >= 3  # several samples share the row
+    recipe = cfg(True)
+    model = build_training_model(recipe, model_config(recipe.model, 300), torch.device("cpu")).model.eval()
+    with torch.no_grad():
+        for k in range(1, int(row["segment_ids"].max()) + 1):
+            sample = row["input_ids"][row["segment_ids"] == k]
+            ref_row = next(r for r in alone.train.rows if torch.equal(r["input_ids"][: len(sample)], sample))
+            labels = torch.where(row["segment_ids"] == k, row["labels"], torch.tensor(-100))
+            got = model(row["input_ids"][None, :-1], labels[None, 1:], position_ids=row["position_ids"][None, :-1],
+                        segment_ids=row["segment_ids"][None, :-1])
+            want = model(ref_row["input_ids"][None, :-1], ref_row["labels"][None, 1:])
+            assert abs(got.item() - want.item()) < 1e-5, k  # fp32; measured ~1e-7
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, data_cache):
+    """A tiny Llama pretrained for 60 steps on the stdlib, exported as a Hugging Face directory."""
+    d = tmp_path_factory.mktemp("pretrained")
+    recipe = load_recipe(TINY, {**FAST, "data.tokenizer.vocab_size": 4096, "data.cache_dir": data_cache,
+                                "optim.max_steps": 60, "logging.ckpt_interval": 60, "logging.eval_interval": 60})
+    Trainer(recipe, run_dir=d / "run", progress=False).fit()
+    return export_hf(d / "run", d / "hf").out
+
+
+def test_sft_on_the_verifiable_task_raises_held_out_exact_match(pretrained, tmp_path, data_cache):
+    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": _task_data(tmp_path),
+                                "data.cache_dir": data_cache, "optim.max_steps": 400, "optim.lr": 3e-3,
+                                "logging.log_interval": 50, "logging.eval_interval": 400,
+                                "logging.eval_exact_match": 64})
+    trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
+    trainer.fit()
+    em = [r["val_exact_match"] for r in read_metrics(tmp_path / "run") if "val_exact_match" in r]
+    assert em[0] <= 0.05 and em[-1] >= 0.2, em  # measured 0.0 -> 0.38
+    rate, pairs = exact_match(trainer.model, trainer.data.eval_examples[:8], trainer.data.decode, trainer.data.eos_id)
+    assert len(pairs) == 8 and 0 <= rate <= 1
+
+
+def test_sft_resume_is_bit_exact(pretrained, tmp_path, data_cache):
+    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": _task_data(tmp_path, 600),
+                                "data.cache_dir": data_cache, "data.batch_size": 4, "optim.max_steps": 8,
+                                "optim.grad_accum_steps": 2, "logging.eval_interval": 4, "logging.ckpt_interval": 4})
+    Trainer(recipe, run_dir=tmp_path / "full", progress=False).fit()
+    Trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=4)
+    Trainer(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
+    full, cut = ({r["step"]: r["loss"] for r in read_metrics(tmp_path / d) if "loss" in r} for d in ("full", "cut"))
+    assert sorted(full) == list(range(1, 9)) and full == cut
+
+
+def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(pretrained, tmp_path, data_cache):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": _task_data(tmp_path, 600),
+                                "data.cache_dir": data_cache, "lora.enabled": True, "optim.max_steps": 20, "data.batch_size": 8,
+                                "optim.lr": 3e-2, "logging.eval_interval": 20})
+    trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.fit()
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before if "lora_" not in n)  # base bit-identical
+    assert all(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n)  # adapters trained
+    ckpt = tmp_path / "run" / "checkpoints" / "step_20"
+    stored = sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
+    # adapter-only: adapters + their AdamW moments, against 3 x the model for a full checkpoint (measured 4 %)
+    assert stored < 0.1 * 3 * sum(p.numel() * 4 for p in after.values())
+    adapter, merged = export_hf(tmp_path / "run", tmp_path / "adapter"), export_hf(tmp_path / "run", tmp_path / "merged",
+                                                                                    merge=True)
+    assert (adapter.out / "adapter_config.json").is_file() and adapter.files == ["adapter_model.safetensors"]
+    ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+    trainer.model.eval()
+    with torch.no_grad():
+        ours = trainer.model(ids)
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), adapter.out).eval()
+        assert (peft_model(ids).logits - ours).abs().max() <= 1e-5
+        assert (AutoModelForCausalLM.from_pretrained(merged.out)(ids).logits - ours).abs().max() <= 1e-4
+
+
+def test_sft_and_lora_under_fsdp2_and_tp2_sp_on_2_ranks_match_one_process(pretrained, tmp_path, data_cache):
+    base = {**SFT, "model.init_from": str(pretrained), "data.source": _task_data(tmp_path, 1000),
+            "data.cache_dir": data_cache, "data.batch_size": 8, "optim.max_steps": 6, "logging.eval_interval": 3,
+            "optim.lr": 3e-3}
+    layouts = {"sft": {}, "lora": {"lora.enabled": True, "lora.dropout": 0.0}}  # dropout draws differ by layout
+    fsdp = {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4}
+    tp2_sp = {"distributed.tensor_parallel_size": 2, "distributed.sequence_parallel": True}  # the packed mask under SP
+    run_layouts(str(TINY), tmp_path, base, [f"{k}_single={json.dumps(v)}" for k, v in layouts.items()])
+    launch_layouts(TINY, tmp_path, 2, base, {**{f"{k}_fsdp2": {**v, **fsdp} for k, v in layouts.items()},
+                                             "sft_tp2sp": tp2_sp})
+    for k, ref in (("sft_fsdp2", "sft_single"), ("lora_fsdp2", "lora_single"), ("sft_tp2sp", "sft_single")):
+        one, two = ({r["step"]: r for r in read_metrics(tmp_path / n)} for n in (ref, k))
+        assert max(abs(one[s]["loss"] - two[s]["loss"]) for s in range(1, 7)) < 2e-4, k
+        assert abs(one[6]["val_loss"] - two[6]["val_loss"]) < 2e-4, k
+
+
+def test_a_tokenizers_own_chat_template_formats_and_masks(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
+    hf.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                        "{% if m['role'] == 'assistant' %}" + EOS + "{% endif %}{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    conv = Conversation("x.jsonl:1", parse_record(RECORDS["messages"]))
+    fmt = ChatFormat(tokenizer, tokenizer.token_to_id(EOS), TemplateConfig(), chat_template=hf)
+    enc = fmt.encode(conv, "assistant")
+    text = tokenizer.decode(enc.ids, skip_special_tokens=False)
+    assert text.startswith("<system>Be brief.<user>Add 2 + 3<assistant>5" + EOS)
+    trained = tokenizer.decode([t for t, m in zip(enc.ids, enc.trained) if m], skip_special_tokens=False)
+    assert trained == "5" + EOS + "8" + EOS
