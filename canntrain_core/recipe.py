@@ -233,6 +233,55 @@ class LoraSettings(_Section):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+class RLHFConfig(_Section):
+    """Alignment (train_mode reward, dpo, grpo, ppo); each key says which stages read it."""
+
+    # grpo, ppo: sampling
+    generate_max_length: int = Field(16, gt=0, description="new tokens per response")
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(0, ge=0, description="0: sample from the whole vocabulary")
+    # grpo, ppo: the update
+    ppo_epochs: int = Field(1, gt=0, description="passes over each rollout")
+    mini_batch_size: int = Field(8, gt=0, description="responses per optimizer step within a rollout")
+    clip_range: float = Field(0.2, gt=0)
+    kl_coeff: float = Field(0.02, ge=0, description="weight of KL(policy || reference); 0 loads no reference")
+    # ppo
+    value_clip_range: float = Field(0.2, gt=0)
+    value_coeff: float = Field(0.1, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
+    target_kl: float | None = Field(None, gt=0, description="adaptive KL controller's target (None: fixed kl_coeff)")
+    missing_eos_penalty: float = Field(1.0, ge=0, description="subtracted from the score of a response with no end token")
+    reward_model: str | None = None  # a train_mode reward run directory or checkpoint (None: the programmatic scorer)
+    # shared: reference and reward model in the trainer's processes; separated: on scorer_ranks processes
+    # of their own, beyond distributed.world_size (the job launches world_size + scorer_ranks)
+    device_placement: Literal["shared", "separated"] = "shared"
+    scorer_ranks: int = Field(1, gt=0, description="separated placement: processes holding reference and reward model")
+    # grpo
+    group_size: int = Field(4, gt=1, description="responses sampled per prompt")
+    clip_range_high: float | None = Field(None, gt=0, description="DAPO's clip-higher (None: clip_range)")
+    loss_aggregation: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    # advantages divided by the std of the group's scores (GRPO), of the batch's, or not at all (Dr. GRPO)
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    # dpo
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+
+
+# Which stages read which rlhf key (set to anything but its default in another stage: refused).
+RLHF_KEYS = {
+    "generate_max_length": ("grpo", "ppo"), "temperature": ("grpo", "ppo"), "top_k": ("grpo", "ppo"),
+    "ppo_epochs": ("grpo", "ppo"), "mini_batch_size": ("grpo", "ppo"), "clip_range": ("grpo", "ppo"),
+    "kl_coeff": ("grpo", "ppo"), "value_clip_range": ("ppo",), "value_coeff": ("ppo",), "gamma": ("ppo",),
+    "lam": ("ppo",), "whiten_advantages": ("ppo",), "target_kl": ("ppo",), "missing_eos_penalty": ("ppo",),
+    "reward_model": ("ppo",), "device_placement": ("ppo",), "scorer_ranks": ("ppo",), "group_size": ("grpo",),
+    "clip_range_high": ("grpo",), "loss_aggregation": ("grpo",), "scale_rewards": ("grpo",), "kl_estimator": ("grpo",),
+    "beta": ("dpo",), "label_smoothing": ("dpo",),
+}
+
+
 class LoggingConfig(_Section):
     log_interval: int = Field(10, gt=0)
     eval_interval: int = Field(50, gt=0)
@@ -247,13 +296,14 @@ class LoggingConfig(_Section):
 
 class Recipe(_Section):
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
-    train_mode: Literal["pretrain", "sft"] = "pretrain"
+    train_mode: Literal["pretrain", "sft", "reward", "dpo", "grpo", "ppo"] = "pretrain"
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     lora: LoraSettings = Field(default_factory=LoraSettings)
+    rlhf: RLHFConfig = Field(default_factory=RLHFConfig)
     # A checkpoint directory, "auto" (newest complete checkpoint in the run directory) or null.
     resume_from: str | None = None
     # What loading noticed but did not reject (e.g. an override given twice); summary() prints them.
@@ -290,12 +340,39 @@ class Recipe(_Section):
             sft_only += ["lora.enabled"] * self.lora.enabled
             if sft_only:
                 raise ValueError(f"{', '.join(sft_only)}: only train_mode sft reads these")
-        if self.train_mode == "sft" and not self.data.source.endswith(".jsonl"):
-            raise ValueError(f"data.source: train_mode sft reads a .jsonl file of instruction records, got "
+        if self.train_mode != "pretrain" and not self.data.source.endswith(".jsonl"):
+            what = "preference pairs" if self.train_mode in ("reward", "dpo") else "instruction records"
+            raise ValueError(f"data.source: train_mode {self.train_mode} reads a .jsonl file of {what}, got "
                              f"{self.data.source!r}")
+        default = RLHFConfig()
+        stray = [f"rlhf.{k}" for k, modes in RLHF_KEYS.items()
+                 if self.train_mode not in modes and getattr(self.rlhf, k) != getattr(default, k)]
+        if stray:
+            raise ValueError(f"{', '.join(stray)}: train_mode {self.train_mode} does not read these")
+        if self.train_mode in ("reward", "dpo", "grpo", "ppo") and not self.model.init_from:
+            raise ValueError(f"model.init_from: train_mode {self.train_mode} starts from a fine-tuned model "
+                             "(a Hugging Face directory, e.g. `canntrain export` of an SFT run)")
+        if self.train_mode in ("reward", "dpo", "grpo", "ppo"):
+            self._alignment_rules()
         if self.lora.enabled and not self.model.init_from:
             raise ValueError("lora.enabled: LoRA adapts a pretrained model; set model.init_from")
         return self
+
+    def _alignment_rules(self) -> None:
+        d, h, mode = self.distributed, self.rlhf, self.train_mode
+        if self.lora.enabled:
+            raise ValueError(f"lora.enabled: train_mode {mode} trains full models here (LoRA is wired for sft)")
+        if d.pipeline_parallel_size > 1:
+            raise ValueError(f"distributed.pipeline_parallel_size: train_mode {mode} runs whole models per rank "
+                             "(scores, generation); use FSDP2 or TP")
+        if mode in ("grpo", "ppo") and d.sequence_parallel:
+            raise ValueError("distributed.sequence_parallel: generation feeds one token at a time, which "
+                             "cannot be split along the sequence; use plain TP")
+        if h.device_placement == "separated" and h.kl_coeff == 0 and not h.reward_model:
+            raise ValueError("rlhf.device_placement: separated moves the reference and the reward model to ranks "
+                             "of their own, and this recipe has neither (kl_coeff 0, no reward_model)")
+        if h.scorer_ranks != 1 and h.device_placement != "separated":
+            raise ValueError("rlhf.scorer_ranks: only device_placement separated has scorer ranks")
 
     # ---- derived values, computed from the keys above, never set by hand ----
     @property

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny recipe that trains in seconds, with a per-session data cache."""
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,56 @@ def fast_recipe(data_cache):
         return load_recipe(TINY, {**FAST, "data.cache_dir": data_cache, **extra})
 
     return make
+
+
+# ---- fine-tuning and alignment: one pretrained model and one SFT run serve every test of both
+SFT = {"train_mode": "sft", "data.seq_length": 32, "data.batch_size": 32, "data.val_fraction": 0.03,
+       "data.packing": True, "data.template.user": "{content} =", "data.template.assistant": " {content}{eos}",
+       "optim.weight_decay": 0.0, "optim.warmup_steps": 10, "logging.log_interval": 1, "logging.eval_batches": 1,
+       "logging.ckpt_interval": 10000}
+
+
+def task_data(tmp_path, n=4000, kinds=("sort", "upper"), seed=0) -> str:
+    from canntrain_core.finetune.data import write_jsonl
+    from canntrain_core.finetune.tasks import task_records
+
+    return str(write_jsonl(Path(tmp_path) / f"tasks-{'-'.join(kinds)}-{n}-{seed}.jsonl",
+                           task_records(n, seed=seed, kinds=kinds)))
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory, data_cache):
+    """A tiny Llama pretrained for 60 steps on the stdlib, exported as a Hugging Face directory."""
+    from canntrain_core.checkpoint.export import export_hf
+    from canntrain_core.train.trainer import Trainer
+
+    d = tmp_path_factory.mktemp("pretrained")
+    recipe = load_recipe(TINY, {**FAST, "data.tokenizer.vocab_size": 4096, "data.cache_dir": data_cache,
+                                "optim.max_steps": 60, "logging.ckpt_interval": 60, "logging.eval_interval": 60})
+    Trainer(recipe, run_dir=d / "run", progress=False).fit()
+    return export_hf(d / "run", d / "hf").out
+
+
+@dataclass
+class SFTRun:
+    run_dir: Path
+    hf: Path  # its export: the starting point of every alignment stage
+    tasks: str
+    trainer: object
+
+
+@pytest.fixture(scope="session")
+def sft_run(pretrained, tmp_path_factory, data_cache) -> SFTRun:
+    """400 steps of full SFT on sort/uppercase from ``pretrained``, exact match scored before and after."""
+    from canntrain_core.checkpoint.export import export_hf
+    from canntrain_core.train.trainer import Trainer
+
+    d = tmp_path_factory.mktemp("sft")
+    tasks = task_data(d)
+    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": tasks,
+                                "data.cache_dir": data_cache, "optim.max_steps": 400, "optim.lr": 3e-3,
+                                "logging.log_interval": 50, "logging.eval_interval": 400,
+                                "logging.eval_exact_match": 64})
+    trainer = Trainer(recipe, run_dir=d / "run", progress=False)
+    trainer.fit()
+    return SFTRun(d / "run", export_hf(d / "run", d / "hf").out, tasks, trainer)

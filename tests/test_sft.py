@@ -25,7 +25,7 @@ from canntrain_core.jobs.layouts import launch_layouts, run_layouts
 from canntrain_core.recipe import TemplateConfig, load_recipe
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.trainer import Trainer
-from conftest import FAST, TINY
+from conftest import SFT, TINY, task_data
 
 EOS = "<|endoftext|>"
 RECORDS = {
@@ -41,11 +41,6 @@ TRAINED = {  # what each train_on mode trains on, as text (the first token of a 
     ("messages", "assistant"): "5" + EOS + "8" + EOS, ("messages", "last"): "8" + EOS,
     ("sharegpt", "assistant"): "5" + EOS + "8" + EOS, ("sharegpt", "last"): "8" + EOS,
 }
-SFT = {"train_mode": "sft", "data.seq_length": 32, "data.batch_size": 32, "data.val_fraction": 0.03,
-       "data.packing": True, "data.template.user": "{content} =", "data.template.assistant": " {content}{eos}",
-       "optim.weight_decay": 0.0, "optim.warmup_steps": 10, "logging.log_interval": 1, "logging.eval_batches": 1,
-       "logging.ckpt_interval": 10000}
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -66,10 +61,6 @@ def test_the_loss_mask_covers_exactly_the_trained_tokens(tokenizer, fmt, train_o
         assert trained == TRAINED[fmt, train_on]
     # generation starts right where the final answer does
     assert tokenizer.decode(enc.ids[enc.prompt_len:], skip_special_tokens=False) == conv.answer + EOS
-
-
-def _task_data(tmp_path, n=4000, kinds=("sort", "upper")) -> str:
-    return str(write_jsonl(tmp_path / "tasks.jsonl", task_records(n, seed=0, kinds=kinds)))
 
 
 def test_packed_rows_give_each_sample_the_loss_it_has_alone(tmp_path, data_cache):
@@ -96,31 +87,16 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(tmp_path, data_cache
             assert abs(got.item() - want.item()) < 1e-5, k  # fp32; measured ~1e-7
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, data_cache):
-    """A tiny Llama pretrained for 60 steps on the stdlib, exported as a Hugging Face directory."""
-    d = tmp_path_factory.mktemp("pretrained")
-    recipe = load_recipe(TINY, {**FAST, "data.tokenizer.vocab_size": 4096, "data.cache_dir": data_cache,
-                                "optim.max_steps": 60, "logging.ckpt_interval": 60, "logging.eval_interval": 60})
-    Trainer(recipe, run_dir=d / "run", progress=False).fit()
-    return export_hf(d / "run", d / "hf").out
-
-
-def test_sft_on_the_verifiable_task_raises_held_out_exact_match(pretrained, tmp_path, data_cache):
-    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": _task_data(tmp_path),
-                                "data.cache_dir": data_cache, "optim.max_steps": 400, "optim.lr": 3e-3,
-                                "logging.log_interval": 50, "logging.eval_interval": 400,
-                                "logging.eval_exact_match": 64})
-    trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
-    trainer.fit()
-    em = [r["val_exact_match"] for r in read_metrics(tmp_path / "run") if "val_exact_match" in r]
+def test_sft_on_the_verifiable_task_raises_held_out_exact_match(sft_run):
+    em = [r["val_exact_match"] for r in read_metrics(sft_run.run_dir) if "val_exact_match" in r]
     assert em[0] <= 0.05 and em[-1] >= 0.2, em  # measured 0.0 -> 0.38
-    rate, pairs = exact_match(trainer.model, trainer.data.eval_examples[:8], trainer.data.decode, trainer.data.eos_id)
+    rate, pairs = exact_match(sft_run.trainer.model, sft_run.trainer.data.eval_examples[:8], sft_run.trainer.data.decode,
+                              sft_run.trainer.data.eos_id)
     assert len(pairs) == 8 and 0 <= rate <= 1
 
 
 def test_sft_resume_is_bit_exact(pretrained, tmp_path, data_cache):
-    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": _task_data(tmp_path, 600),
+    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": task_data(tmp_path, 600),
                                 "data.cache_dir": data_cache, "data.batch_size": 4, "optim.max_steps": 8,
                                 "optim.grad_accum_steps": 2, "logging.eval_interval": 4, "logging.ckpt_interval": 4})
     Trainer(recipe, run_dir=tmp_path / "full", progress=False).fit()
@@ -134,7 +110,7 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": _task_data(tmp_path, 600),
+    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": task_data(tmp_path, 600),
                                 "data.cache_dir": data_cache, "lora.enabled": True, "optim.max_steps": 20, "data.batch_size": 8,
                                 "optim.lr": 3e-2, "logging.eval_interval": 20})
     trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
@@ -160,7 +136,7 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
 
 
 def test_sft_and_lora_under_fsdp2_and_tp2_sp_on_2_ranks_match_one_process(pretrained, tmp_path, data_cache):
-    base = {**SFT, "model.init_from": str(pretrained), "data.source": _task_data(tmp_path, 1000),
+    base = {**SFT, "model.init_from": str(pretrained), "data.source": task_data(tmp_path, 1000),
             "data.cache_dir": data_cache, "data.batch_size": 8, "optim.max_steps": 6, "logging.eval_interval": 3,
             "optim.lr": 3e-3}
     layouts = {"sft": {}, "lora": {"lora.enabled": True, "lora.dropout": 0.0}}  # dropout draws differ by layout

@@ -240,3 +240,14 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         rank_file = path / "trainer_state_rank0.pt"  # fewer ranks wrote it; later issues reshard
     # Our own file, verified against the manifest above; it holds numpy RNG state, so not weights_only.
     return torch.load(rank_file, weights_only=False)
+
+
+def load_model_weights(path: str | Path, model: torch.nn.Module, verify: bool = True) -> None:
+    """Verify a checkpoint (unless the caller just did), then load only its model weights into ``model``
+    (sharded or not; the optimizer states it also holds are not read): a reward model for PPO, say."""
+    if verify:
+        verify_checkpoint(path)
+    state = {"model": get_model_state_dict(model)}
+    with single_process_ok():
+        dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])

@@ -98,6 +98,12 @@ def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max
     config.dtype = DTYPES[dtype]
     meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     stored = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
+    mode = recipe.get("train_mode", "pretrain")
+    if mode == "reward":
+        raise BadInput(f"{ckpt}: a reward model scores answers with a one-row head, it is not a language model; "
+                       "PPO reads its checkpoint as it is (rlhf.reward_model)")
+    prefix = "actor." if mode == "ppo" else ""  # PPO: the actor is the model it trained; the critic stays behind
+    stored = {k.removeprefix(prefix): v for k, v in stored.items() if k.startswith(prefix)}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -109,7 +115,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max
                 shapes, load = _merged_source(ckpt, stored, recipe)
             else:
                 shapes = {n: v.size for n, v in stored.items()}
-                load = partial(_load_from_checkpoint, ckpt, stored)
+                load = partial(_load_from_checkpoint, ckpt, stored, prefix=prefix)
             if config.tie_word_embeddings:
                 shapes.pop("lm_head.weight", None)  # transformers ties it back on load
             done = _write_shards(tmp, shapes, load, DTYPES[dtype], parse_size(max_shard_size))
@@ -125,15 +131,16 @@ def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max
     return Export(out, ckpt, *done)
 
 
-def _load_from_checkpoint(ckpt: Path, stored: dict, names: list[str]) -> dict[str, torch.Tensor]:
-    """These tensors, whole, read from the DCP checkpoint's files (whatever layout wrote them)."""
+def _load_from_checkpoint(ckpt: Path, stored: dict, names: list[str], prefix: str = "") -> dict[str, torch.Tensor]:
+    """These tensors, whole, read from the DCP checkpoint's files (whatever layout wrote them); ``prefix``:
+    where they sit in the checkpoint's model (a PPO run's actor: ``actor.``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    part = {n: torch.empty(stored[n].size, dtype=stored[n].properties.dtype) for n in names}
+    part = {prefix + n: torch.empty(stored[n].size, dtype=stored[n].properties.dtype) for n in names}
     with single_process_ok():
         dcp.load({"model": part}, storage_reader=FileSystemReader(str(ckpt)))
-    return part
+    return {n.removeprefix(prefix): t for n, t in part.items()}
 
 
 def _write_shards(out: Path, shapes: dict[str, torch.Size], load, dtype: torch.dtype, limit: int):

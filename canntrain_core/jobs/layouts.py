@@ -35,13 +35,13 @@ def run_layouts(recipe_path: str, out: str | Path, base: dict, layouts: list[str
     import torch.distributed as dist
 
     from canntrain_core.recipe import load_recipe
-    from canntrain_core.train.trainer import Trainer
+    from canntrain_core.train.trainer import make_trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for spec in layouts:
         name, stop, resume, overrides = parse_layout(spec)
         recipe = load_recipe(recipe_path, {**base, "distributed.world_size": world, **overrides})
-        Trainer(recipe, run_dir=Path(out) / name, resume_from=resume, progress=progress).fit(stop_after=stop)
+        make_trainer(recipe, run_dir=Path(out) / name, resume_from=resume, progress=progress).fit(stop_after=stop)
     if dist.is_initialized():
         dist.destroy_process_group()
 

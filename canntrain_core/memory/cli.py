@@ -50,6 +50,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     check_layout(recipe, shape)  # the estimate of a layout the trainer refuses would mislead
     target = recipe.distributed.target_device
     cap = parse_bytes(args.device_memory or target) if (args.device_memory or target) else None
+    if recipe.train_mode in ("reward", "dpo", "grpo", "ppo"):  # several models per rank
+        return _estimate_alignment(recipe, cap, args)
     meas = None
     if args.measure:
         from canntrain_core.memory.measure import measure_fake
@@ -72,6 +74,29 @@ def run_estimate(args: argparse.Namespace) -> int:
         print()
         print(compare_table(est, meas))
     return 0 if cap is None or est.fits(cap) else 1
+
+
+def _estimate_alignment(recipe, cap, args) -> int:
+    from dataclasses import asdict
+
+    from canntrain_core.memory.alignment import estimate_alignment
+    from canntrain_core.memory.estimator import GiB
+
+    if args.measure:
+        print("canntrain estimate: --measure: not for alignment stages (rlhf_ppo.ipynb measures a real run)",
+              file=sys.stderr)
+        return 2
+    est = estimate_alignment(recipe)
+    worst = max(est.trained_rank, est.scorer_rank)
+    if args.json:
+        print(json.dumps({**asdict(est), "trained_rank": est.trained_rank, "capacity": cap}, indent=2))
+    else:
+        print(recipe.summary())
+        print(est.table())
+        if cap:
+            print(f"{'fits' if worst <= cap else 'does NOT fit'} in {cap / GiB:.1f} GiB ({worst / cap:.0%} used "
+                  "on the fullest rank)")
+    return 0 if cap is None or worst <= cap else 1
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -114,7 +114,7 @@ def estimate(shape: ModelShape, s: TrainSetup, fragmentation: float = FRAGMENTAT
 
 def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -> MemoryEstimate:
     notes: list[str] = []
-    tp, h, V = s.tp, shape.hidden_size, shape.vocab_size
+    tp, h, V = s.tp, shape.hidden_size, shape.out_rows  # V: rows of the output projection and the logits
     shard = s.dp * s.cp  # ZeRO/FSDP shards over data (and context) parallel ranks
     matrices = shape.layer_matrices()
     if shape.kind == "moe":  # experts spread over ep (ZeRO then shards them over dp*cp like the rest: simplified)

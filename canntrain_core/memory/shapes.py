@@ -34,6 +34,7 @@ class ModelShape:
     num_experts: int = 1
     experts_per_token: int = 1
     max_positions: int = 4096
+    scalar_head: bool = False  # a reward model's or critic's one-row output projection instead of the vocabulary
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
@@ -49,6 +50,15 @@ class ModelShape:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def out_rows(self) -> int:
+        """Rows of the output projection: the vocabulary, or 1 for a scalar head."""
+        return 1 if self.scalar_head else self.vocab_size
+
+    def as_scalar_head(self) -> "ModelShape":
+        """The same backbone with a one-row head (its own weight, never tied)."""
+        return replace(self, scalar_head=True, tie_embeddings=False)
 
     @property
     def kv_size(self) -> int:
@@ -90,7 +100,7 @@ class ModelShape:
     def head_params(self) -> int:
         """Final norm plus the output projection (zero extra when tied to the embedding)."""
         norm = 2 * self.hidden_size if self.kind == "gpt" else self.hidden_size
-        return norm + (0 if self.tie_embeddings else self.vocab_size * self.hidden_size)
+        return norm + (0 if self.tie_embeddings else self.out_rows * self.hidden_size)
 
     def num_params(self) -> int:
         return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
@@ -104,7 +114,7 @@ class ModelShape:
         layer = sum(o * n for _, o, n in self.layer_matrices())
         if self.kind == "moe":
             layer -= (self.num_experts - self.experts_per_token) * 3 * h * i
-        matmul = self.num_layers * layer + self.vocab_size * h
+        matmul = self.num_layers * layer + self.out_rows * h
         return 6.0 * matmul + 12.0 * self.num_layers * h * seq_length
 
     def active_params(self) -> int:

@@ -38,11 +38,12 @@ class BuiltModel:
     loaded: list[dict[str, Any]] = field(default_factory=list)  # init_from: this rank's tensors and slices
 
 
-def build_meta_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None):
+def build_meta_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, head: str = "lm"):
     """Steps 1-3: the parallelized CausalLM on ``meta`` and its pipeline schedule (or None).
 
     ``mesh`` and ``dims`` come from ``runtime.distributed``; leave them out on one device. The memory
-    measurement stops here and materializes under FakeTensorMode instead.
+    measurement stops here and materializes under FakeTensorMode instead. ``head="scalar"``: the output
+    projection has one row, a score per position (reward models and PPO's critic).
     """
     from canntrain_core.runtime.distributed import ParallelDims
 
@@ -59,26 +60,30 @@ def build_meta_model(recipe, config: LlamaConfig, device: torch.device, mesh=Non
     # else kernels: eager keeps transformers' own modules and the plain loss (the registry's
     # eager ops compute the same; its eager cross_entropy is the chunked one, slower on CPU).
     model = CausalLM(hf_model, cross_entropy)
+    if head == "scalar":
+        with torch.device("meta"):
+            model.lm_head = torch.nn.Linear(config.hidden_size, 1, bias=False)
     schedule = parallelize(model, mesh, dims, recipe, device)
     return model, schedule
 
 
 def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None,
-                         fill: bool = True) -> BuiltModel:
+                         fill: bool = True, head: str = "lm") -> BuiltModel:
     """Steps 1-5 above for ``recipe`` (its model, distributed and seed) on ``device``.
 
     ``fill=False`` skips step 5's weights (a resumed run loads every one of them from its checkpoint;
     a LoRA run fills its base from ``model.init_from`` on resume too: its checkpoints hold adapters only).
     """
     m = recipe.model
-    model, schedule = build_meta_model(recipe, config, device, mesh, dims)
+    model, schedule = build_meta_model(recipe, config, device, mesh, dims, head)
     model.to_empty(device=device)
+    fresh = is_adapter if head == "lm" else lambda n: is_adapter(n) or n.endswith("lm_head.weight")  # not in init_from
     loaded: list[dict[str, Any]] = []
     if not fill:
         source = "weights from the checkpoint it resumes"
     elif m.init_from:
-        loaded = load_weights(model, m.init_from, skip=is_adapter)
-        init_weights(model, config, recipe.experiment.seed, only=is_adapter)  # LoRA adapters, if any
+        loaded = load_weights(model, m.init_from, skip=fresh)
+        init_weights(model, config, recipe.experiment.seed, only=fresh)  # LoRA adapters, a scalar head
         source = f"weights from {m.init_from}"
     else:
         init_weights(model, config, recipe.experiment.seed)

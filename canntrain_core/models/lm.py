@@ -33,26 +33,28 @@ class CausalLM(nn.Module):
         return layers.values() if isinstance(layers, nn.ModuleDict) else layers
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
         """Token ids (or, on a later pipeline stage, hidden states) in; loss, logits or hidden states out.
 
         With ``targets`` (-100 where nothing is trained): the mean next-token loss over the trained
         targets. Without: logits, or hidden states when this module is a pipeline stage without the
         head. ``position_ids`` / ``segment_ids``: packed instruction rows (positions restart per sample,
-        attention stays within a sample).
+        attention stays within a sample). ``attention_mask`` ([B, 1, q, k] bool) with ``cache`` (transformers'
+        ``DynamicCache``): incremental decoding of left-padded prompts (``rlhf.rollout``).
         """
         m = self.model
         # Positions from the input, which always holds the whole sequence (under sequence parallel
         # the embedding's output is only this rank's slice of it).
         positions = position_ids if position_ids is not None else torch.arange(x.shape[1], device=x.device)[None]
-        mask = None  # SDPA applies the causal mask itself
+        mask = attention_mask  # None: SDPA applies the causal mask itself
         if segment_ids is not None:  # block-diagonal causal: a token sees earlier tokens of its own sample
             same = segment_ids[:, :, None] == segment_ids[:, None, :]
             mask = (same & torch.ones_like(same[0], dtype=torch.bool).tril())[:, None]
         h = m.embed_tokens(x) if m.embed_tokens is not None else x
         rope = m.rotary_emb(h, position_ids=positions)
         for layer in self.layers():
-            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rope, cache=cache)
         if self.lm_head is None:
             return h
         h = m.norm(h)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import string
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,24 +84,103 @@ def read_prompts(path: str | Path, fmt_name: str = "auto", on_bad_record: str = 
     return read_conversations(path, fmt_name, on_bad_record)
 
 
+def _corrupt(items: list[str], errors: int, rng: random.Random) -> list[str]:
+    """``items`` with ``errors`` random edits: change one, swap two, drop one or add one."""
+    out = list(items)
+    for _ in range(errors):
+        kind = rng.choice(("change", "swap", "drop", "add") if len(out) > 1 else ("change", "add"))
+        k = rng.randrange(len(out))
+        if kind == "swap":
+            a, b = rng.sample(range(len(out)), 2)
+            out[a], out[b] = out[b], out[a]
+        elif kind == "drop":
+            out.pop(k)
+        else:
+            pool = "0123456789" if out[k].isdigit() else string.ascii_lowercase
+            new = rng.choice(pool.upper() if out[k].isupper() else pool)
+            if kind == "change":
+                out[k] = new
+            else:
+                out.insert(k, new)
+    return out
+
+
 def preference_records(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[dict]:
-    """``n`` pairs for the verifiable task: the correct answer, and a corrupted one the scorer ranks lower
-    (one item changed or two swapped), so a reward model trained on them learns the true score's order."""
+    """``n`` preference pairs for the verifiable task, ranked by the programmatic scorer: two answers
+    (the correct one, or one with an edit; against one with more edits) of which ``chosen`` scores higher
+    by ``partial_score``. A reward model trained on them learns the true score's order, so a PPO run can
+    be checked against the truth."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         prompt, answer = make_item(kinds[i % len(kinds)], rng)
         items = answer.split(" ")
         while True:
-            wrong = list(items)
-            if len(wrong) > 1 and rng.random() < 0.5:
-                a, b = rng.sample(range(len(wrong)), 2)
-                wrong[a], wrong[b] = wrong[b], wrong[a]
-            else:
-                k = rng.randrange(len(wrong))
-                pool = "0123456789" if wrong[k].isdigit() else "abcdefghijklmnopqrstuvwxyz"
-                wrong[k] = rng.choice(pool.upper() if wrong[k].isupper() else pool)
-            if partial_score(" ".join(wrong), answer) < 1.0:
+            good = rng.choice((0, 0, 1))
+            a, b = _corrupt(items, good, rng), _corrupt(items, good + rng.randint(1, 2), rng)
+            sa, sb = partial_score(" ".join(a), answer), partial_score(" ".join(b), answer)
+            if sa != sb and a and b:
                 break
-        out.append({"prompt": prompt, "chosen": answer, "rejected": " ".join(wrong)})
+        chosen, rejected = (a, b) if sa > sb else (b, a)
+        out.append({"prompt": prompt, "chosen": " ".join(chosen), "rejected": " ".join(rejected)})
     return out
+
+
+def _is_val(name: str, fraction: float) -> bool:
+    import hashlib
+
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 2**32 < fraction
+
+
+@dataclass
+class PromptBundle:
+    """Prompts for online alignment: token ids, the reference answer, a resumable sampler over train."""
+
+    cfg: object
+    tokenizer: object
+    vocab_size: int
+    eos_id: int
+    format: ChatFormat
+    train: list[tuple[list[int], str]]  # (prompt ids ending where the answer starts, reference answer)
+    val: list[tuple[list[int], str]]
+    sampler: object
+    info: dict
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def answer_text(self, response: list[int]) -> str:
+        """A response's text without its end token."""
+        return self.decode(response[:-1] if response and response[-1] == self.eos_id else response)
+
+
+def build_prompt_data(cfg, seed: int, max_new: int, dp_rank: int = 0, dp_size: int = 1, tokenizer=None,
+                      vocab_size=None, chat_template=None) -> PromptBundle:
+    """The prompts of ``cfg.source`` (instruction records), split into train and held-out by name. A prompt
+    leaves room for ``max_new`` generated tokens within ``data.seq_length``, or is a bad record."""
+    from canntrain_core.data.sampler import ResumableSampler
+
+    if tokenizer is None:
+        raise DataError("alignment starts from a fine-tuned model: model.init_from must hold its tokenizer.json")
+    convs, bad = read_prompts(cfg.source, cfg.format, cfg.on_bad_record)
+    fmt = ChatFormat(tokenizer.tokenizer, tokenizer.eos_id, cfg.template, chat_template)
+    train, val = [], []
+    for c in convs:
+        enc = fmt.encode(c, "last")
+        if enc.prompt_len + max_new > cfg.seq_length:
+            why = (f"over-long: a {enc.prompt_len}-token prompt + rlhf.generate_max_length {max_new} > "
+                   f"data.seq_length {cfg.seq_length}")
+            if cfg.on_bad_record == "error":
+                raise DataError(f"{cfg.source}, line {c.name.rsplit(':', 1)[1]}: {why} (or set data.on_bad_record=skip)")
+            bad.append(f"{c.name}: {why}")
+            continue
+        (val if _is_val(c.name, cfg.val_fraction) else train).append((enc.ids[: enc.prompt_len], c.answer))
+    if not train or not val:
+        raise DataError(f"{cfg.source}: {len(train)} training and {len(val)} held-out prompts; both must be "
+                        "non-empty (data.val_fraction, data.seq_length)")
+    sampler = ResumableSampler(len(train), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+    info = {"source": str(cfg.source), "records": len(convs), "bad_records": len(bad), "bad_record_examples": bad[:10],
+            "train_prompts": len(train), "val_prompts": len(val), "tokenizer_path": str(tokenizer.path),
+            "tokenizer_source": "given"}
+    return PromptBundle(cfg, tokenizer.tokenizer, vocab_size or cfg.tokenizer.vocab_size, tokenizer.eos_id, fmt,
+                        train, val, sampler, info)

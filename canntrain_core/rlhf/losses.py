@@ -94,13 +94,18 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_tokens
     raise ValueError(f"loss aggregation {mode!r}: expected grpo, bnpo, dr_grpo or dapo")
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
     """GRPO: each answer's score minus its group's mean (over the ``group_size`` answers to one prompt),
-    divided by the group's standard deviation (+1e-4) when ``scale``; a group of equal scores gives 0."""
+    divided by the standard deviation (+1e-4) of the group's scores (``scale="group"``), of all the scores
+    (``"batch"``) or by nothing (``"none"``, Dr. GRPO); a group of equal scores gives 0."""
     g = scores.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
-    if scale:
+    if scale == "group":
         adv = adv / (g.std(dim=1, keepdim=True) + 1e-4)
+    elif scale == "batch":
+        adv = adv / (scores.std() + 1e-4)
+    elif scale != "none":
+        raise ValueError(f"scale_rewards {scale!r}: expected group, batch or none")
     return adv.view(-1)
 
 

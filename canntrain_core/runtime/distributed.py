@@ -58,18 +58,50 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
 
 
-def init_distributed(acc: Accelerator, d: DistributedConfig) -> int:
-    """Join the torchrun job (if any); return the world size. Checks it against the recipe."""
+def init_distributed(acc: Accelerator, d: DistributedConfig, extra_ranks: int = 0) -> int:
+    """Join the torchrun job (if any); return the world size. Checks it against the recipe.
+
+    ``extra_ranks`` > 0 (PPO's separated placement): the job has that many processes beyond
+    ``distributed.world_size``; see :func:`split_world`.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != d.world_size:
+    if world != d.world_size + extra_ranks:
+        extra = f" + {extra_ranks} for the reference and reward model (rlhf.scorer_ranks)" if extra_ranks else ""
         raise RecipeError(
-            f"distributed.world_size={d.world_size} but this job has {world} process(es) "
-            f"(WORLD_SIZE); launch with --nproc_per_node/--nnodes to match, or --set distributed.world_size={world}"
+            f"distributed.world_size={d.world_size}{extra} but this job has {world} process(es) "
+            f"(WORLD_SIZE); launch with --nproc_per_node/--nnodes to match"
+            + ("" if extra_ranks else f", or --set distributed.world_size={world}")
         )
-    if world > 1 and not dist.is_initialized():
+    if world > 1 and not dist.is_initialized() and _exchange is None:
         acc.set_device()
-        dist.init_process_group(backend=acc.backend, timeout=timedelta(seconds=d.timeout_seconds))
+        timeout = timedelta(seconds=d.timeout_seconds)
+        if extra_ranks:
+            split_world(acc, d.world_size, timeout)
+        else:
+            dist.init_process_group(backend=acc.backend, timeout=timeout)
     return world
+
+
+_exchange: tuple | None = None  # (gloo group over the whole job, this process's rank in it)
+
+
+def split_world(acc: Accelerator, trained: int, timeout: timedelta) -> None:
+    """Ranks [0, trained) form the default process group (the trained models' mesh, checkpoints,
+    metrics: everything the trainer does collectively); the other ranks stay out of it. A separate gloo
+    group over the whole job (:func:`exchange_group`) carries what passes between the two sides."""
+    global _exchange
+    store, global_rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    if global_rank < trained:
+        dist.init_process_group(backend=acc.backend, store=dist.PrefixStore("trained/", store), rank=global_rank,
+                                world_size=trained, timeout=timeout)
+    _exchange = (dist.ProcessGroupGloo(dist.PrefixStore("exchange/", store), global_rank, world, timeout), global_rank)
+
+
+def exchange_group() -> tuple:
+    """(gloo group over the whole job, this process's rank in it), after :func:`split_world`."""
+    if _exchange is None:
+        raise RuntimeError("no exchange group: the job was not split (rlhf.device_placement: separated)")
+    return _exchange
 
 
 def rank() -> int:

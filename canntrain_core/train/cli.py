@@ -28,11 +28,11 @@ def _train(args: argparse.Namespace) -> int:
     # Expected failures (bad recipe, data, checkpoint, run directory; out of memory) propagate as
     # CanntrainError: canntrain_core.cli prints them as one line and exits with their code.
     from canntrain_core.recipe import load_recipe
-    from canntrain_core.train.trainer import Trainer
+    from canntrain_core.train.trainer import make_trainer
 
     recipe = load_recipe(args.recipe, args.overrides)
     print(recipe.summary())
-    trainer = Trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
+    trainer = make_trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
     result = trainer.fit()
     if trainer.rank == 0:
         _draw_loss(trainer.run_dir)

@@ -62,6 +62,25 @@ class RunResult:
         return f"step {self.step}: train loss {loss}, val loss {val} -> {self.run_dir}"
 
 
+def make_trainer(recipe: Recipe, **kwargs) -> "Trainer":
+    """The trainer of the recipe's stage: this module's for pretrain and sft, rlhf/'s for the others."""
+    if recipe.train_mode == "grpo":
+        from canntrain_core.rlhf.grpo import GRPOTrainer
+
+        return GRPOTrainer(recipe, **kwargs)
+    if recipe.train_mode == "ppo":
+        from canntrain_core.rlhf.ppo import PPOTrainer, ScorerService
+
+        # separated placement: ranks past distributed.world_size hold the reference and reward model
+        scorer = int(os.environ.get("RANK", "0")) >= recipe.distributed.world_size
+        return (ScorerService if scorer else PPOTrainer)(recipe, **kwargs)
+    if recipe.train_mode in ("reward", "dpo"):
+        from canntrain_core.rlhf.pairs import DPOTrainer, RewardTrainer
+
+        return (RewardTrainer if recipe.train_mode == "reward" else DPOTrainer)(recipe, **kwargs)
+    return Trainer(recipe, **kwargs)
+
+
 def default_run_dir(recipe: Recipe) -> Path:
     """{output_dir}/{name}-{timestamp}: a fresh directory per run unless one is given."""
     return Path(recipe.experiment.output_dir) / f"{recipe.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -87,7 +106,7 @@ class Trainer:
         m, d = r.model, r.distributed
         self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
         check_layout(r, config, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
-        init_distributed(self.acc, d)
+        init_distributed(self.acc, d, self.extra_ranks(r))
         self.rank = rank()
         self.dims = ParallelDims.from_recipe(d)
         self.mesh = self.dims.build_mesh(self.acc.type)
@@ -109,10 +128,7 @@ class Trainer:
 
         seed_everything(r.experiment.seed)
         self.dp = dp_coordinates(self.mesh, self.dims)  # (data-parallel rank, size)
-        build = build_sft_data if r.train_mode == "sft" else build_data
-        extra = {"chat_template": chat_template_of(m.init_from)} if r.train_mode == "sft" else {}
-        self.data = build(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1],
-                          **pretrained_tokenizer(m.init_from, config), **extra)
+        self.data = self.build_data(config)
         if r.optim.epochs:  # max_steps from the data: epochs x this rank's rows / rows per step
             steps = math.ceil(r.optim.epochs * self.data.sampler.samples_per_epoch / (r.data.batch_size * r.optim.grad_accum_steps))
             if self.rank == 0:
@@ -122,8 +138,7 @@ class Trainer:
         if not m.init_from:  # the trained tokenizer's EOS, for generate() and an exported model
             config.bos_token_id, config.eos_token_id = None, self.data.eos_id
         # a LoRA checkpoint holds the adapters only: its base comes from init_from on resume too
-        built = build_training_model(r, config, self.acc.device, self.mesh, self.dims,
-                                     fill=resume_path is None or r.lora.enabled)
+        built = self.build_model(config, fill=resume_path is None or r.lora.enabled)
         self.model, self.schedule = built.model, built.schedule
         self.loaded_from = built.loaded  # init_from: this rank's tensors and the slices it read
         if self.rank == 0 and r.optim.offload_optimizer and self.acc.type == "cpu":
@@ -162,6 +177,31 @@ class Trainer:
             if self.data.info.get("bad_records") and r.data.source != "stdlib":
                 print(f"data: skipped {self.data.info['bad_records']} bad record(s) "
                       f"(data.on_bad_record={r.data.on_bad_record}); see {self.run_dir / 'data.json'}")
+
+    # ------------------------------------------------------------------ what a stage builds
+    @staticmethod
+    def extra_ranks(recipe: Recipe) -> int:
+        """Processes of the job beyond the trained model's layout (PPO's separated frozen models)."""
+        return 0
+
+    def extra_state(self) -> dict:
+        """What a stage adds to each checkpoint's trainer state (PPO: its adaptive KL coefficient)."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+    def build_data(self, config):
+        """The data bundle of this stage (pretraining text, instruction rows; rlhf/ stages override)."""
+        r, m = self.recipe, self.recipe.model
+        build = build_sft_data if r.train_mode == "sft" else build_data
+        extra = {"chat_template": chat_template_of(m.init_from)} if r.train_mode == "sft" else {}
+        return build(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1],
+                     **pretrained_tokenizer(m.init_from, config), **extra)
+
+    def build_model(self, config, fill: bool):
+        """The model this stage trains (a CausalLM; rlhf/ stages add the ones they only run)."""
+        return build_training_model(self.recipe, config, self.acc.device, self.mesh, self.dims, fill=fill)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, stop_after: int | None = None) -> RunResult:
@@ -360,6 +400,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "sampler": self.data.sampler.state_dict(),
             "rng": self.acc.rng_state(),
+            "extra": self.extra_state(),
         }
         return checkpoint.save_checkpoint(
             self.ckpt_root, self.step, self.model, self.optimizer, state,
@@ -376,6 +417,7 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.data.sampler.load_state_dict(state["sampler"])
         self.acc.set_rng_state(state["rng"])
+        self.load_extra_state(state.get("extra", {}))
         if self.rank == 0:
             self.metrics.truncate_after(self.step)
             print(f"resumed from {path} at step {self.step}")

@@ -1,0 +1,102 @@
+"""What GRPO and PPO share: prompts, rollouts from the policy, the true score, greedy evaluation, the
+iteration's bookkeeping. Each iteration is one ``step`` (one scheduler step, one metrics row).
+
+The true score of a response is the programmatic check of the task (``finetune.tasks.partial_score``:
+the share of the reference answer's items in place), which the notebooks plot beside whatever the
+policy was trained on (a learned reward model's score, for PPO).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from canntrain_core.finetune.tasks import partial_score, score
+from canntrain_core.parallel.clip import clip_grad_norm
+from canntrain_core.rlhf.data import build_prompt_data
+from canntrain_core.rlhf.rollout import sample
+from canntrain_core.train.trainer import Trainer
+
+
+class OnlineTrainer(Trainer):
+    policy: torch.nn.Module  # the model that generates (set by the stage's build_model)
+
+    def build_data(self, config):
+        from canntrain_core.data import pretrained_tokenizer
+        from canntrain_core.finetune.data import chat_template_of
+
+        r = self.recipe
+        return build_prompt_data(r.data, r.experiment.seed, r.rlhf.generate_max_length, *self.dp,
+                                 chat_template=chat_template_of(r.model.init_from),
+                                 **pretrained_tokenizer(r.model.init_from, config))
+
+    def next_prompts(self, it) -> list[tuple[list[int], str]]:
+        picked = [self.data.train[next(it)] for _ in range(self.recipe.data.batch_size)]
+        self.data.sampler.advance(len(picked))
+        return picked
+
+    def compute(self):
+        """Autocast to the recipe's precision (fp32: nothing): what every forward of a stage runs under."""
+        return self.acc.autocast(self.recipe.model.precision)
+
+    def rollout(self, prompts, n: int, temperature: float):
+        h = self.recipe.rlhf
+        with self.compute():
+            return sample(self.policy, [p for p, _ in prompts], n, h.generate_max_length, self.data.eos_id,
+                          temperature, h.top_k)
+
+    def true_scores(self, ro, prompts, n: int = 1) -> torch.Tensor:
+        """The programmatic score of every response (``n`` per prompt, in the rollout's order)."""
+        refs = [a for _, a in prompts for _ in range(n)]
+        return torch.tensor([partial_score(self.data.answer_text(resp), ref) for resp, ref in zip(ro.responses, refs)])
+
+    @torch.no_grad()
+    def evaluate(self, batches=None) -> dict[str, float]:
+        """Greedy answers to the held-out prompts (``logging.eval_exact_match`` of them, default 32):
+        mean true score and exact match."""
+        prompts = self.data.val[: self.recipe.logging.eval_exact_match or 32]
+        ro = self.rollout(prompts, 1, 0.0)
+        answers = [self.data.answer_text(r) for r in ro.responses]
+        return {"val_score": sum(partial_score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts),
+                "val_exact_match": sum(score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts)}
+
+    def samples(self, n: int = 4) -> list[tuple[str, str, str]]:
+        """(prompt, greedy answer, reference) for the first ``n`` held-out prompts: what the numbers mean."""
+        prompts = self.data.val[:n]
+        ro = self.rollout(prompts, 1, 0.0)
+        return [(self.data.decode(p), self.data.answer_text(r), ref) for (p, ref), r in zip(prompts, ro.responses)]
+
+    def optimizer_step(self) -> float:
+        grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.optim.grad_clip, self.pp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def progress_bar(self) -> tqdm:
+        return tqdm(total=self.recipe.optim.max_steps, initial=self.step, desc=self.recipe.experiment.name,
+                    disable=not self.progress)
+
+    def finish_iteration(self, record: dict, stop_after: int | None, bar: tqdm) -> bool:
+        """Schedule, log, evaluate, checkpoint; True when the run should stop here. Every rank holds the
+        same ``record`` up to its own rollout: scalar metrics are averaged over data-parallel ranks."""
+        r = self.recipe
+        self.scheduler.step()
+        self.step += 1
+        bar.update(1)
+        bar.set_postfix(score=f"{record['score_mean']:.3f}")
+        last = self.step == r.optim.max_steps
+        if self.step % r.logging.eval_interval == 0 or last:
+            record.update(self.evaluate())
+        if self.step % r.logging.log_interval == 0 or "val_score" in record or last:
+            self._write({"step": self.step, **self._averaged(record)})
+        if self.step % r.logging.ckpt_interval == 0 or last or self.step == stop_after:
+            self.save()
+        return self.step == stop_after
+
+    def _averaged(self, record: dict) -> dict:
+        if self.dims.dp == 1:
+            return record
+        keys = sorted(k for k in record if not k.startswith(("val_", "time_", "lr", "kl_coeff")))
+        values = torch.tensor([float(record[k]) for k in keys], device=self.acc.device)
+        torch.distributed.all_reduce(values)
+        return {**record, **{k: v / torch.distributed.get_world_size() for k, v in zip(keys, values.tolist())}}

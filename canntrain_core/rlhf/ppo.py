@@ -1,0 +1,189 @@
+"""PPO with an actor, a critic, a frozen reference and a reward model. Read ``fit``.
+
+Each iteration (one ``step``):
+
+1. rollout: the actor samples one response per prompt (``data.batch_size`` prompts per rank), in
+   inference mode with a KV cache, ``rlhf.generate_max_length`` new tokens at most;
+2. experience: the actor's and the reference's log-probabilities of the sampled tokens, the critic's
+   values, and the score (the reward model's, ``rlhf.reward_model``, else the programmatic one), minus
+   ``rlhf.missing_eos_penalty`` for a response that never ended; per-token rewards are
+   -kl_coeff x (log pi - log ref) with the score added on the last token; GAE gives advantages
+   (``gamma``, ``lam``), whitened over the rollout's tokens (``whiten_advantages``) and returns;
+3. update: ``rlhf.ppo_epochs`` passes over shuffled mini-batches of ``rlhf.mini_batch_size``
+   responses; loss = clipped policy loss + value_coeff x clipped value loss, one optimizer over
+   actor and critic (as TRL's PolicyAndValueWrapper), gradients clipped together;
+4. with ``rlhf.target_kl`` the KL coefficient adapts (Ziegler et al.'s proportional controller, TRL's
+   horizon of 10,000 responses).
+
+Where the reference and the reward model run is ``rlhf.device_placement`` (``rlhf.frozen``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from canntrain_core.models.lifecycle import BuiltModel, build_training_model
+from canntrain_core.rlhf.frozen import FrozenModels, RemoteFrozenModels, reward_checkpoint, serve
+from canntrain_core.rlhf.losses import clipped_policy_loss, clipped_value_loss, gae, masked_mean, masked_whiten
+from canntrain_core.rlhf.online import OnlineTrainer
+from canntrain_core.rlhf.rollout import token_logprobs, token_values
+
+KL_HORIZON = 10_000
+
+
+class ActorCritic(nn.Module):
+    """The two models PPO trains, as one module: one optimizer, one checkpoint (``actor.*``, ``critic.*``)."""
+
+    def __init__(self, actor: nn.Module, critic: nn.Module):
+        super().__init__()
+        self.actor, self.critic = actor, critic
+
+
+class PPOTrainer(OnlineTrainer):
+    @staticmethod
+    def extra_ranks(recipe) -> int:
+        h = recipe.rlhf
+        return h.scorer_ranks if h.device_placement == "separated" else 0
+
+    def build_model(self, config, fill: bool):
+        from canntrain_core.checkpoint.dcp import load_model_weights
+
+        r, h, dev = self.recipe, self.recipe.rlhf, self.acc.device
+        rm = reward_checkpoint(h.reward_model) if h.reward_model else None  # a bad path fails before any weights
+        actor = build_training_model(r, config, dev, self.mesh, self.dims, fill=fill)
+        critic = build_training_model(r, config, dev, self.mesh, self.dims, fill=fill and not h.reward_model,
+                                      head="scalar").model
+        if fill and rm:  # the critic starts as the reward model (OpenRLHF's default)
+            load_model_weights(rm, critic, verify=False)
+        if h.device_placement == "shared":
+            self.frozen = FrozenModels.build(r, config, dev, self.mesh, self.dims, reward_ckpt=rm)
+        else:
+            from canntrain_core.runtime.distributed import exchange_group
+
+            group, me = exchange_group()
+            self.frozen = RemoteFrozenModels(group, r.distributed.world_size + me % h.scorer_ranks, h.kl_coeff > 0,
+                                             bool(h.reward_model))
+        self.policy, self.critic, self.kl_coeff = actor.model, critic, h.kl_coeff
+        return BuiltModel(ActorCritic(actor.model, critic), config, None, actor.source, actor.loaded)
+
+    def models(self) -> dict:
+        """Every model this rank holds, by the names ``memory.alignment`` gives them."""
+        found = {"actor": self.policy, "critic": self.critic}
+        if isinstance(self.frozen, FrozenModels):
+            found.update(reference=self.frozen.reference, reward=self.frozen.reward_model)
+        return {k: v for k, v in found.items() if v is not None}
+
+    def extra_state(self) -> dict:
+        return {"kl_coeff": self.kl_coeff}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.kl_coeff = state.get("kl_coeff", self.kl_coeff)
+
+    def fit(self, stop_after: int | None = None):
+        r = self.recipe
+        it, bar = iter(self.data.sampler), self.progress_bar()
+        if self.step == 0:
+            self._write({"step": 0, **self.evaluate()})
+        try:
+            while self.step < r.optim.max_steps:
+                lr = self.scheduler.get_last_lr()[0]
+                prompts = self.next_prompts(it)
+                t0 = time.perf_counter()
+                ro = self.rollout(prompts, 1, r.rlhf.temperature)
+                t1 = time.perf_counter()
+                exp, record = self.experience(ro, prompts)
+                t2 = time.perf_counter()
+                record.update(self.update(exp))
+                t3 = time.perf_counter()
+                self.adapt_kl(record["kl"])
+                gen_tokens, ids = float(exp["mask"].sum()), exp["ids"]
+                record.update({"lr": lr, "kl_coeff": self.kl_coeff, "response_length": gen_tokens / len(ids),
+                               "time_generation": t1 - t0, "time_scoring": t2 - t1, "time_update": t3 - t2,
+                               "generation_tokens_per_second": gen_tokens / (t1 - t0),
+                               "train_tokens_per_second": r.rlhf.ppo_epochs * ids.numel() / (t3 - t2)})
+                if self.finish_iteration(record, stop_after, bar):
+                    break
+        finally:
+            self.frozen.close()
+            bar.close()
+        return self.result()
+
+    @torch.no_grad()
+    def experience(self, ro, prompts) -> tuple[dict, dict]:
+        """Everything the update needs from one rollout, and the iteration's score metrics."""
+        h, dev = self.recipe.rlhf, self.acc.device
+        ids, mask = ro.ids.to(dev), ro.mask.to(dev)
+        with self.compute():
+            old = token_logprobs(self.policy, ids, h.temperature)
+            values = token_values(self.critic, ids) * mask
+            ref, learned = self.frozen(ids, mask)
+        true = self.true_scores(ro, prompts).to(dev)
+        score = (learned if learned is not None else true) - h.missing_eos_penalty * (~ro.ended).float().to(dev)
+        kl = (old - ref) * mask if ref is not None else torch.zeros_like(old)  # k1, per token
+        rewards = -self.kl_coeff * kl
+        rewards[torch.arange(len(ids)), ro.last.to(dev)] += score
+        adv, returns = gae(rewards, values, mask, h.gamma, h.lam)
+        if h.whiten_advantages:
+            adv = masked_whiten(adv, mask)
+        record = {"score_mean": float(true.mean()), "score_std": float(true.std()),
+                  "reward_mean": float(score.mean()), "reward_std": float(score.std()),
+                  "kl": float(kl.sum(-1).mean()), "non_score_reward": float(rewards.sum(-1).mean() - score.mean()),
+                  "ended_fraction": float(ro.ended.float().mean())}
+        return {"ids": ids, "mask": mask, "old": old, "values": values, "adv": adv, "returns": returns}, record
+
+    def update(self, e: dict) -> dict:
+        """``ppo_epochs`` passes over mini-batches; the mean of each statistic over them."""
+        h, stats = self.recipe.rlhf, {}
+        self.model.train()
+        for _ in range(h.ppo_epochs):
+            for mb in torch.randperm(len(e["ids"])).split(h.mini_batch_size):
+                m, old = e["mask"][mb], e["old"][mb]
+                with self.compute():
+                    logp, ent = token_logprobs(self.policy, e["ids"][mb], h.temperature, with_entropy=True)
+                    values = token_values(self.critic, e["ids"][mb])
+                pg, clip_frac = clipped_policy_loss(logp, old, e["adv"][mb], m, h.clip_range, aggregation="token")
+                vf = clipped_value_loss(values, e["values"][mb], e["returns"][mb], m, h.value_clip_range)
+                (pg + h.value_coeff * vf).backward()
+                v_clipped = ((values - e["values"][mb]).abs() > h.value_clip_range).float()
+                for k, v in (("grad_norm", self.optimizer_step()), ("policy_loss", pg), ("value_loss", vf),
+                             ("clip_fraction", clip_frac), ("value_clip_fraction", masked_mean(v_clipped, m)),
+                             ("approx_kl", masked_mean(old - logp.detach(), m)), ("entropy", masked_mean(ent.detach(), m))):
+                    stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else v)
+        return {k: sum(v) / len(v) for k, v in stats.items()}
+
+    def adapt_kl(self, kl: float) -> None:
+        """Ziegler et al.'s controller: move the coefficient toward ``rlhf.target_kl`` (no-op without one)."""
+        h = self.recipe.rlhf
+        if h.target_kl is None or self.kl_coeff == 0:
+            return
+        kl = self._averaged({"kl": kl})["kl"]  # every data-parallel rank keeps the same coefficient
+        error = max(-0.2, min(0.2, kl / h.target_kl - 1))
+        self.kl_coeff *= 1 + error * self.recipe.data.batch_size * self.dims.dp / KL_HORIZON
+
+
+class ScorerService:
+    """A scorer rank of separated placement: holds whole copies of the frozen models and serves the actor
+    ranks assigned to it until each says stop. Outside the trainer's process group; writes nothing."""
+
+    def __init__(self, recipe, run_dir=None, progress: bool = False, **_):
+        from canntrain_core.models.registry import model_config
+        from canntrain_core.runtime import get_accelerator, seed_everything
+        from canntrain_core.runtime.distributed import ParallelDims, exchange_group, init_distributed
+
+        self.recipe, self.acc = recipe, get_accelerator()
+        init_distributed(self.acc, recipe.distributed, PPOTrainer.extra_ranks(recipe))
+        self.group, self.rank = exchange_group()
+        seed_everything(recipe.experiment.seed)
+        config = model_config(recipe.model, recipe.data.tokenizer.vocab_size)
+        single = ParallelDims(1, 1, 1, 1, 1)
+        self.frozen = FrozenModels.build(recipe, config, self.acc.device, None, single, cast=True)
+        n, k = recipe.distributed.world_size, recipe.rlhf.scorer_ranks
+        self.clients = [a for a in range(n) if n + a % k == self.rank]
+
+    def fit(self, stop_after: int | None = None):
+        served = serve(self.frozen, self.group, self.clients, self.acc.device)
+        print(f"scorer rank {self.rank}: scored {served} rollouts for actor rank(s) {self.clients}")
+        return None

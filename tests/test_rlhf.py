@@ -1,0 +1,117 @@
+"""Alignment stages end to end: rollouts, the reward model, PPO (shared and separated), GRPO, DPO.
+
+The arithmetic (GAE, clipping, KL, DPO, group advantages) is checked by hand in test_rlhf_math.py;
+here the stages run on the tiny model, fine-tuned on the verifiable task (conftest's ``sft_model``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from canntrain_core.finetune.data import write_jsonl
+from canntrain_core.jobs.layouts import launch_layouts, run_layouts
+from canntrain_core.models.generate import greedy
+from canntrain_core.models.lifecycle import build_training_model
+from canntrain_core.models.registry import model_config
+from canntrain_core.recipe import load_recipe
+from canntrain_core.rlhf.data import preference_records
+from canntrain_core.rlhf.rollout import generate, layout, token_logprobs
+from canntrain_core.train.metrics import read_metrics
+from canntrain_core.train.trainer import make_trainer
+from conftest import TINY
+
+REWARD_STEPS = 150
+
+
+def test_cached_generation_of_left_padded_prompts_equals_one_prompt_at_a_time():
+    recipe = load_recipe(TINY, {"data.tokenizer.vocab_size": 300})
+    model = build_training_model(recipe, model_config(recipe.model, 300), torch.device("cpu")).model.eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 9, 5, 1)]
+    cached = generate(model, prompts, 8, pad_id=0, temperature=0.0)
+    assert cached == [greedy(model, p, 8) for p in prompts]  # greedy(): no cache, no padding
+    # the sampled tokens' log-probabilities: cached decode vs a plain forward pass of the whole rows
+    ro = layout(prompts, cached, eos_id=-1, pad_id=0)
+    with torch.no_grad():
+        full = token_logprobs(model, ro.ids)
+        logits = model(ro.ids[:1, :-1])
+    assert full.shape == ro.mask.shape and torch.isfinite(full).all()
+    assert torch.allclose(full[0], torch.log_softmax(logits[0], -1).gather(-1, ro.ids[0, 1:, None])[:, 0], atol=1e-6)
+
+
+# ---------------------------------------------------------------- the stages on the fine-tuned tiny model
+TEMPLATE = {"data.seq_length": 32, "data.template.user": "{content} =", "data.template.assistant": " {content}{eos}",
+            "optim.weight_decay": 0.0, "logging.log_interval": 1}
+TIMING = ("time_", "tokens_per_second", "step_time")
+
+
+def _rows(run_dir) -> dict[int, dict]:
+    """metrics.jsonl by step, without the wall-clock figures."""
+    return {r["step"]: {k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in read_metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def pairs(sft_run, tmp_path_factory) -> str:
+    return str(write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl",
+                           preference_records(2000, seed=0, kinds=("sort", "upper"))))
+
+
+@pytest.fixture(scope="module")
+def reward_run(sft_run, pairs, tmp_path_factory, data_cache) -> Path:
+    run = tmp_path_factory.mktemp("reward") / "run"
+    recipe = load_recipe(None, {**TEMPLATE, "train_mode": "reward", "model.init_from": str(sft_run.hf),
+                                "data.source": pairs, "data.cache_dir": data_cache, "data.batch_size": 16,
+                                "data.val_fraction": 0.05, "optim.lr": 3e-3, "optim.warmup_steps": 5,
+                                "optim.max_steps": REWARD_STEPS, "logging.eval_interval": REWARD_STEPS,
+                                "logging.eval_batches": 8, "logging.ckpt_interval": REWARD_STEPS})
+    make_trainer(recipe, run_dir=run, progress=False).fit()
+    return run
+
+
+def test_the_reward_model_orders_held_out_pairs_well_above_chance(reward_run):
+    acc = [r["val_pair_accuracy"] for r in read_metrics(reward_run) if "val_pair_accuracy" in r]
+    assert acc[0] < 0.6 and acc[-1] >= 0.65, acc  # 128 held-out pairs; measured REWARD_MEASURED
+
+
+def _ppo(sft_run, reward_run, data_cache, **extra) -> dict:
+    return {**TEMPLATE, "train_mode": "ppo", "model.init_from": str(sft_run.hf), "data.source": sft_run.tasks,
+            "data.cache_dir": data_cache, "data.batch_size": 8, "data.val_fraction": 0.03, "optim.lr": 1e-4,
+            "optim.warmup_steps": 0, "optim.max_steps": 4, "logging.eval_interval": 2, "logging.eval_exact_match": 8,
+            "logging.ckpt_interval": 2, "rlhf.generate_max_length": 12, "rlhf.mini_batch_size": 4,
+            "rlhf.ppo_epochs": 2, "rlhf.reward_model": str(reward_run), **extra}
+
+
+def test_ppo_resume_is_bit_exact_and_resident_memory_is_the_estimate(sft_run, reward_run, tmp_path, data_cache):
+    from canntrain_core.memory.alignment import estimate_alignment, measure_resident
+
+    recipe = load_recipe(None, _ppo(sft_run, reward_run, data_cache, **{"rlhf.target_kl": 0.05}))
+    whole = make_trainer(recipe, run_dir=tmp_path / "whole", progress=False)
+    whole.fit()
+    make_trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=2)
+    make_trainer(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
+    full, cut = _rows(tmp_path / "whole"), _rows(tmp_path / "cut")
+    assert sorted(full) == [0, 1, 2, 3, 4] and full == cut  # scores, KL, losses, the adaptive KL coefficient
+    assert full[4]["kl_coeff"] != 0.02  # the controller moved it (and the resumed run restored it)
+    # four models, each holding what the estimator says (fp32 parameters, + gradients + AdamW states)
+    est = {r.name: r.states for r in estimate_alignment(recipe).roles}
+    assert measure_resident(whole) == est and set(est) == {"actor", "critic", "reference", "reward"}
+
+
+def test_separated_placement_on_its_own_rank_matches_shared(sft_run, reward_run, tmp_path, data_cache):
+    base = _ppo(sft_run, reward_run, data_cache, **{"optim.max_steps": 3, "logging.ckpt_interval": 3})
+    launch_layouts(TINY, tmp_path, 2, base, {"separated": {"rlhf.device_placement": "separated",
+                                                           "distributed.world_size": 1}})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each torchrun process: the same reduction order, the same samples
+    try:
+        run_layouts(str(TINY), tmp_path, base, ["shared={}"])
+    finally:
+        torch.set_num_threads(threads)
+    shared, separated = _rows(tmp_path / "shared"), _rows(tmp_path / "separated")
+    assert sorted(shared) == [0, 1, 2, 3]
+    for step in shared:
+        for k, v in shared[step].items():
+            assert separated[step][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
