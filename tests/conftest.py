@@ -71,7 +71,7 @@ def pretrained(tmp_path_factory, data_cache):
 @dataclass
 class SFTRun:
     run_dir: Path
-    hf: Path  # its export: the starting point of every alignment stage
+    hf: Path  # its export
     tasks: str
     trainer: object
 

@@ -6,24 +6,26 @@ here the stages run on the tiny model, fine-tuned on the verifiable task (confte
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from canntrain_core.finetune.data import write_jsonl
 from canntrain_core.jobs.layouts import launch_layouts, run_layouts
 from canntrain_core.models.generate import greedy
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.recipe import load_recipe
-from canntrain_core.rlhf.data import preference_records
 from canntrain_core.rlhf.rollout import generate, layout, token_logprobs
+from canntrain_core.rlhf.start import tiny_start
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.trainer import make_trainer
 from conftest import TINY
 
+CONFIGS = Path(__file__).resolve().parents[1] / "cookbook" / "llama" / "configs"
 REWARD_STEPS = 150
+ONLINE_STEPS = {"grpo": 40, "ppo": 20}
 
 
 def test_cached_generation_of_left_padded_prompts_equals_one_prompt_at_a_time():
@@ -54,40 +56,41 @@ def _rows(run_dir) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def pairs(sft_run, tmp_path_factory) -> str:
-    return str(write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl",
-                           preference_records(2000, seed=0, kinds=("sort", "upper"))))
+def start(tmp_path_factory, data_cache):
+    """What the alignment notebooks start from (``rlhf.start.tiny_start``): 60 steps of pretraining, 100 of
+    SFT (answers in the task's format, about half right), sort prompts and preference pairs."""
+    return tiny_start(tmp_path_factory.mktemp("start"), cache_dir=data_cache)
 
 
 @pytest.fixture(scope="module")
-def reward_run(sft_run, pairs, tmp_path_factory, data_cache) -> Path:
+def reward_run(start, tmp_path_factory, data_cache) -> Path:
     run = tmp_path_factory.mktemp("reward") / "run"
-    recipe = load_recipe(None, {**TEMPLATE, "train_mode": "reward", "model.init_from": str(sft_run.hf),
-                                "data.source": pairs, "data.cache_dir": data_cache, "data.batch_size": 16,
-                                "data.val_fraction": 0.05, "optim.lr": 3e-3, "optim.warmup_steps": 5,
-                                "optim.max_steps": REWARD_STEPS, "logging.eval_interval": REWARD_STEPS,
-                                "logging.eval_batches": 8, "logging.ckpt_interval": REWARD_STEPS})
+    recipe = load_recipe(CONFIGS / "tiny_reward.yaml", {
+        "model.init_from": str(start.sft_hf), "data.source": str(start.pairs), "data.cache_dir": data_cache,
+        "optim.max_steps": REWARD_STEPS, "logging.eval_interval": REWARD_STEPS, "logging.ckpt_interval": REWARD_STEPS})
     make_trainer(recipe, run_dir=run, progress=False).fit()
     return run
 
 
 def test_the_reward_model_orders_held_out_pairs_well_above_chance(reward_run):
     acc = [r["val_pair_accuracy"] for r in read_metrics(reward_run) if "val_pair_accuracy" in r]
-    assert acc[0] < 0.6 and acc[-1] >= 0.65, acc  # 128 held-out pairs; measured REWARD_MEASURED
+    # 128 held-out pairs. Measured 0.65 -> 0.77: the untrained head is not at chance (a random projection of
+    # the SFT model's last hidden state already prefers some right answers), training adds 0.12.
+    assert acc[-1] >= 0.7 and acc[-1] >= acc[0] + 0.08, acc
 
 
-def _ppo(sft_run, reward_run, data_cache, **extra) -> dict:
-    return {**TEMPLATE, "train_mode": "ppo", "model.init_from": str(sft_run.hf), "data.source": sft_run.tasks,
+def _ppo(start, reward_run, data_cache, **extra) -> dict:
+    return {**TEMPLATE, "train_mode": "ppo", "model.init_from": str(start.sft_hf), "data.source": str(start.prompts),
             "data.cache_dir": data_cache, "data.batch_size": 8, "data.val_fraction": 0.03, "optim.lr": 1e-4,
             "optim.warmup_steps": 0, "optim.max_steps": 4, "logging.eval_interval": 2, "logging.eval_exact_match": 8,
             "logging.ckpt_interval": 2, "rlhf.generate_max_length": 12, "rlhf.mini_batch_size": 4,
             "rlhf.ppo_epochs": 2, "rlhf.reward_model": str(reward_run), **extra}
 
 
-def test_ppo_resume_is_bit_exact_and_resident_memory_is_the_estimate(sft_run, reward_run, tmp_path, data_cache):
+def test_ppo_resume_is_bit_exact_and_resident_memory_is_the_estimate(start, reward_run, tmp_path, data_cache):
     from canntrain_core.memory.alignment import estimate_alignment, measure_resident
 
-    recipe = load_recipe(None, _ppo(sft_run, reward_run, data_cache, **{"rlhf.target_kl": 0.05}))
+    recipe = load_recipe(None, _ppo(start, reward_run, data_cache, **{"rlhf.target_kl": 0.05}))
     whole = make_trainer(recipe, run_dir=tmp_path / "whole", progress=False)
     whole.fit()
     make_trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=2)
@@ -100,8 +103,8 @@ def test_ppo_resume_is_bit_exact_and_resident_memory_is_the_estimate(sft_run, re
     assert measure_resident(whole) == est and set(est) == {"actor", "critic", "reference", "reward"}
 
 
-def test_separated_placement_on_its_own_rank_matches_shared(sft_run, reward_run, tmp_path, data_cache):
-    base = _ppo(sft_run, reward_run, data_cache, **{"optim.max_steps": 3, "logging.ckpt_interval": 3})
+def test_separated_placement_on_its_own_rank_matches_shared(start, reward_run, tmp_path, data_cache):
+    base = _ppo(start, reward_run, data_cache, **{"optim.max_steps": 3, "logging.ckpt_interval": 3})
     launch_layouts(TINY, tmp_path, 2, base, {"separated": {"rlhf.device_placement": "separated",
                                                            "distributed.world_size": 1}})
     threads = torch.get_num_threads()
@@ -115,3 +118,33 @@ def test_separated_placement_on_its_own_rank_matches_shared(sft_run, reward_run,
     for step in shared:
         for k, v in shared[step].items():
             assert separated[step][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
+
+
+
+def _mean(rows: list[float]) -> float:
+    return sum(rows) / len(rows)
+
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_grpo_and_ppo_raise_the_true_score(stage, start, tmp_path, data_cache):
+    """From the 100-step SFT model, on sort prompts, rewarded by the checker; the shipped tiny recipes.
+    Measured (mean true score of the 64 sampled answers per iteration, first -> last 6 iterations, of 40 for
+    GRPO, 20 for PPO): GRPO 0.371 -> 0.444, PPO 0.335 -> 0.435."""
+    recipe = load_recipe(CONFIGS / f"tiny_{stage}.yaml", {
+        "model.init_from": str(start.sft_hf), "data.source": str(start.prompts), "data.cache_dir": data_cache,
+        "optim.max_steps": ONLINE_STEPS[stage], "logging.eval_interval": ONLINE_STEPS[stage],
+        "logging.ckpt_interval": ONLINE_STEPS[stage]})
+    make_trainer(recipe, run_dir=tmp_path / stage, progress=False).fit()
+    scores = [r["score_mean"] for r in read_metrics(tmp_path / stage) if "score_mean" in r]
+    assert len(scores) == ONLINE_STEPS[stage]
+    assert _mean(scores[-6:]) >= _mean(scores[:6]) + 0.04, (_mean(scores[:6]), _mean(scores[-6:]))
+
+
+def test_dpo_moves_the_held_out_margins(start, tmp_path, data_cache):
+    recipe = load_recipe(CONFIGS / "tiny_dpo.yaml", {
+        "model.init_from": str(start.sft_hf), "data.source": str(start.pairs), "data.cache_dir": data_cache,
+        "optim.max_steps": 30, "logging.eval_interval": 30, "logging.ckpt_interval": 30})
+    make_trainer(recipe, run_dir=tmp_path / "dpo", progress=False).fit()
+    first, last = (r for r in read_metrics(tmp_path / "dpo") if "val_pair_accuracy" in r)
+    assert first["val_pair_accuracy"] == 0.0 and first["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert last["val_pair_accuracy"] >= 0.65 and last["val_loss"] < math.log(2) - 0.05, last

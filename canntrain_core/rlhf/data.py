@@ -184,3 +184,4 @@ def build_prompt_data(cfg, seed: int, max_new: int, dp_rank: int = 0, dp_size: i
             "tokenizer_source": "given"}
     return PromptBundle(cfg, tokenizer.tokenizer, vocab_size or cfg.tokenizer.vocab_size, tokenizer.eos_id, fmt,
                         train, val, sampler, info)
+

@@ -54,11 +54,9 @@ class OnlineTrainer(Trainer):
     def evaluate(self, batches=None) -> dict[str, float]:
         """Greedy answers to the held-out prompts (``logging.eval_exact_match`` of them, default 32):
         mean true score and exact match."""
-        prompts = self.data.val[: self.recipe.logging.eval_exact_match or 32]
-        ro = self.rollout(prompts, 1, 0.0)
-        answers = [self.data.answer_text(r) for r in ro.responses]
-        return {"val_score": sum(partial_score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts),
-                "val_exact_match": sum(score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts)}
+        with self.compute():
+            return heldout_scores(self.policy, self.data, self.recipe.logging.eval_exact_match or 32,
+                                  self.recipe.rlhf.generate_max_length)
 
     def samples(self, n: int = 4) -> list[tuple[str, str, str]]:
         """(prompt, greedy answer, reference) for the first ``n`` held-out prompts: what the numbers mean."""
@@ -100,3 +98,14 @@ class OnlineTrainer(Trainer):
         values = torch.tensor([float(record[k]) for k in keys], device=self.acc.device)
         torch.distributed.all_reduce(values)
         return {**record, **{k: v / torch.distributed.get_world_size() for k, v in zip(keys, values.tolist())}}
+
+
+@torch.no_grad()
+def heldout_scores(policy, data, n: int, max_new: int) -> dict[str, float]:
+    """``val_score`` (mean true score) and ``val_exact_match`` of ``policy``'s greedy answers to the first ``n``
+    held-out prompts of a :class:`~canntrain_core.rlhf.data.PromptBundle`: any policy, any stage (DPO's too)."""
+    prompts = data.val[:n]
+    ro = sample(policy, [p for p, _ in prompts], 1, max_new, data.eos_id, 0.0)
+    answers = [data.answer_text(r) for r in ro.responses]
+    return {"val_score": sum(partial_score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts),
+            "val_exact_match": sum(score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts)}

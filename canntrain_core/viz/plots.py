@@ -41,3 +41,22 @@ def plot_loss(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def curves_figure(run_dirs: list[str | Path], keys: list[str], labels: list[str] | None = None,
+                  titles: dict[str, str] | None = None):
+    """One panel per metric in ``keys`` (against step), one line per run; a run without a metric is left out
+    of its panel. For alignment runs: ``score_mean`` (the true score), ``reward_mean``, ``kl``, ``val_score``."""
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for i, run_dir in enumerate(run_dirs):
+            points = [(r["step"], r[key]) for r in read_metrics(run_dir) if key in r]
+            if points:
+                ax.plot(*zip(*points), "o-" if len(points) < 6 else "-", ms=4,
+                        label=labels[i] if labels else Path(run_dir).name)
+        ax.set_title((titles or {}).get(key, key))
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    return fig

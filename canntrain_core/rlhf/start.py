@@ -1,0 +1,63 @@
+"""The starting point of the tiny alignment notebooks: a briefly pretrained, briefly fine-tuned Llama.
+
+:func:`tiny_start` pretrains the tiny Llama on the standard library, fine-tunes it (full SFT) on the
+verifiable sort/uppercase task, exports the result as a Hugging Face directory and writes the data the
+alignment stages read: prompts (sort only: the part of the task the fine-tuned model half knows, so a
+policy has something to improve) and preference pairs ranked by the programmatic scorer. It is cached in
+``workdir/start-<settings>``, so the second notebook (or a re-run) reuses it in a second.
+
+The SFT is deliberately short (100 steps): the model has learned the answer format and half the task,
+which leaves a clear margin for reinforcement learning to show; ``sft.ipynb`` trains it to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[2] / "cookbook" / "llama" / "configs"
+
+
+@dataclass
+class Start:
+    sft_hf: Path  # the fine-tuned model, a Hugging Face directory (model.init_from of every stage)
+    prompts: Path  # instruction records of the sort task: the online stages' prompts
+    pairs: Path  # preference pairs for the reward model and DPO
+    sft_run: Path
+
+
+def tiny_start(workdir: str | Path, pretrain_steps: int = 60, sft_steps: int = 100, seed: int = 0,
+               cache_dir: str | None = None) -> Start:
+    """The fine-tuned model and the data (see the module docstring); ``cache_dir``: the tokenized corpus's."""
+    from canntrain_core.checkpoint.export import export_hf
+    from canntrain_core.finetune.data import write_jsonl
+    from canntrain_core.finetune.tasks import task_records
+    from canntrain_core.recipe import load_recipe
+    from canntrain_core.rlhf.data import preference_records
+    from canntrain_core.train.trainer import Trainer
+
+    settings = {"pretrain_steps": pretrain_steps, "sft_steps": sft_steps, "seed": seed}
+    root = Path(workdir) / f"start-{pretrain_steps}-{sft_steps}-{seed}"
+    done = Start(root / "sft_hf", root / "prompts.jsonl", root / "pairs.jsonl", root / "sft")
+    if (root / "settings.json").is_file():  # written last: a complete start
+        return done
+    shutil.rmtree(root, ignore_errors=True)
+    pre = load_recipe(CONFIGS / "tiny_pretrain.yaml", {
+        "data.max_bytes": 300_000, "data.seq_length": 64, "data.batch_size": 4, "optim.max_steps": pretrain_steps,
+        "optim.warmup_steps": 2, "logging.log_interval": 10, "logging.eval_interval": pretrain_steps,
+        "logging.eval_batches": 2, "logging.ckpt_interval": pretrain_steps, "experiment.seed": seed,
+        **({"data.cache_dir": cache_dir} if cache_dir else {})})
+    Trainer(pre, run_dir=root / "pretrain", progress=False).fit()
+    base = export_hf(root / "pretrain", root / "pretrained_hf").out
+    tasks = write_jsonl(root / "tasks.jsonl", task_records(4000, seed=seed, kinds=("sort", "upper")))
+    sft = load_recipe(CONFIGS / "tiny_sft.yaml", {
+        "model.init_from": str(base), "data.source": str(tasks), "optim.max_steps": sft_steps,
+        "logging.eval_interval": sft_steps, "logging.ckpt_interval": sft_steps, "experiment.seed": seed})
+    Trainer(sft, run_dir=done.sft_run, progress=False).fit()
+    export_hf(done.sft_run, done.sft_hf)
+    write_jsonl(done.prompts, task_records(2000, seed=seed + 7, kinds=("sort",)))
+    write_jsonl(done.pairs, preference_records(3000, seed=seed, kinds=("sort",)))
+    (root / "settings.json").write_text(json.dumps(settings))
+    return done
