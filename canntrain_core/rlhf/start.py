@@ -61,3 +61,21 @@ def tiny_start(workdir: str | Path, pretrain_steps: int = 60, sft_steps: int = 1
     write_jsonl(done.pairs, preference_records(3000, seed=seed, kinds=("sort",)))
     (root / "settings.json").write_text(json.dumps(settings))
     return done
+
+
+def trained(recipe, workdir: str | Path, name: str):
+    """A trainer of ``recipe`` that has run to its end in ``workdir/name-<recipe hash>``: trained now, or,
+    when an earlier notebook already trained the very same recipe there, loaded from its last checkpoint
+    (the metrics are that run's; the model, optimizer and data position are its final ones)."""
+    import hashlib
+
+    from canntrain_core.train.trainer import make_trainer
+
+    run = Path(workdir) / f"{name}-{hashlib.sha256(recipe.to_yaml().encode()).hexdigest()[:10]}"
+    if (run / "done").is_file():
+        return make_trainer(recipe, run_dir=run, resume_from="auto", progress=False)
+    shutil.rmtree(run, ignore_errors=True)
+    trainer = make_trainer(recipe, run_dir=run, progress=False)
+    trainer.fit()
+    (run / "done").write_text("")
+    return trainer
