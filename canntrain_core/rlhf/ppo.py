@@ -185,5 +185,4 @@ class ScorerService:
 
     def fit(self, stop_after: int | None = None):
         served = serve(self.frozen, self.group, self.clients, self.acc.device)
-        print(f"scorer rank {self.rank}: scored {served} rollouts for actor rank(s) {self.clients}")
-        return None
+        return f"scorer rank {self.rank}: scored {served} rollouts for actor rank(s) {self.clients}"

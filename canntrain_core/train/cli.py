@@ -41,10 +41,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _draw_loss(run_dir) -> None:
-    """plots/loss.png from metrics.jsonl; a finished run never fails on its picture."""
+    """plots/loss.png (alignment.png for GRPO and PPO) from metrics.jsonl; a finished run never fails on its picture."""
     try:
-        from canntrain_core.viz.plots import plot_loss
+        from canntrain_core.viz.plots import plot_alignment, plot_loss
 
-        plot_loss([run_dir], run_dir / "plots" / "loss.png")
+        if (run_dir / "metrics.jsonl").is_file() and '"score_mean"' in (run_dir / "metrics.jsonl").read_text():
+            plot_alignment(run_dir, run_dir / "plots" / "alignment.png")  # GRPO, PPO: score, reward, KL
+        else:
+            plot_loss([run_dir], run_dir / "plots" / "loss.png")
     except Exception as e:  # matplotlib backends, fonts, a full disk: say so and move on
-        print(f"canntrain train: could not draw {run_dir / 'plots' / 'loss.png'}: {e}")
+        print(f"canntrain train: could not draw the plot of {run_dir}: {e}")

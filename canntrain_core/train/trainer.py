@@ -55,8 +55,13 @@ class RunResult:
     loss: float | None
     val_loss: float | None
     checkpoints: list[Path] = field(default_factory=list)
+    score: float | None = None  # GRPO, PPO: the last iteration's true score of the samples
+    val_score: float | None = None  # and the last held-out greedy score
 
     def __str__(self) -> str:
+        if self.score is not None:
+            val = f"{self.val_score:.4f}" if self.val_score is not None else "n/a"
+            return f"step {self.step}: true score of the samples {self.score:.4f}, held-out {val} -> {self.run_dir}"
         val = f"{self.val_loss:.4f}" if self.val_loss is not None else "n/a"
         loss = f"{self.loss:.4f}" if self.loss is not None else "n/a"
         return f"step {self.step}: train loss {loss}, val loss {val} -> {self.run_dir}"
@@ -462,4 +467,6 @@ class Trainer:
             loss=losses[-1] if losses else None,
             val_loss=vals[-1] if vals else None,
             checkpoints=checkpoint.list_checkpoints(self.ckpt_root),
+            score=next((r["score_mean"] for r in reversed(rows) if "score_mean" in r), None),
+            val_score=next((r["val_score"] for r in reversed(rows) if "val_score" in r), None),
         )

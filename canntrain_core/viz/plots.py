@@ -60,3 +60,16 @@ def curves_figure(run_dirs: list[str | Path], keys: list[str], labels: list[str]
     axes[0][0].legend()
     fig.tight_layout()
     return fig
+
+
+def plot_alignment(run_dir: str | Path, out: str | Path) -> Path:
+    """An online alignment run's true score, reward (when it differs: a reward model) and KL, into ``out``."""
+    rows = read_metrics(run_dir)
+    keys = ["score_mean"] + (["reward_mean"] if any(r.get("reward_mean") != r.get("score_mean") for r in rows
+                                                    if "reward_mean" in r) else []) + ["kl", "val_score"]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig = curves_figure([run_dir], keys)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
