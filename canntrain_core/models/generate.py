@@ -31,12 +31,14 @@ def sample_text(model, data, prompt: str = "def ", max_new_tokens: int = 64, tem
 
 
 @torch.no_grad()
-def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
+def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None = None, multiple_of: int = 1
+           ) -> list[int]:
     """The most likely continuation of ``prompt_ids``, one argmax token at a time, stopping at EOS.
 
     ``model`` maps token ids [1, T] to logits [1, T, V] (a CausalLM, or a wrapper around a transformers
-    model's ``.logits``). No KV cache: the whole sequence is re-run per token, which for the short
-    answers of tiny models costs less than it takes to explain.
+    model's ``.logits``). No KV cache: the whole sequence is re-run per token. ``multiple_of``: the
+    sequence is right-padded to a multiple of it (sequence parallelism splits it evenly over the TP
+    ranks); causal attention keeps the padding out of every real position's logits.
     """
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
@@ -44,7 +46,9 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None
     model.eval()
     out: list[int] = []
     for _ in range(max_new_tokens):
-        nxt = int(model(ids)[0, -1].argmax())
+        n = ids.shape[1]
+        padded = torch.nn.functional.pad(ids, (0, -n % multiple_of), value=int(ids[0, -1]))
+        nxt = int(model(padded)[0, n - 1].argmax())
         out.append(nxt)
         if nxt == eos_id:
             break

@@ -389,9 +389,10 @@ class Trainer:
             val_loss = self._sum_over_dp(torch.stack(sums).sum()) / self._sum_over_dp(torch.stack(counts).sum())
         out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
         n_em = self.recipe.logging.eval_exact_match
+        sp = self.recipe.distributed.sequence_parallel
         if n_em and self.schedule is None:  # every rank generates the same answers, in lockstep
             out["val_exact_match"], _ = exact_match(self.model, self.data.eval_examples[:n_em], self.data.decode,
-                                                    self.data.eos_id)
+                                                    self.data.eos_id, cached=not sp, multiple_of=self.dims.tp if sp else 1)
         return out
 
     def _write(self, record: dict[str, Any]) -> None:
