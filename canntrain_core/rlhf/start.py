@@ -8,6 +8,10 @@ policy has something to improve) and preference pairs ranked by the programmatic
 
 The SFT is deliberately short (100 steps): the model has learned the answer format and half the task,
 which leaves a clear margin for reinforcement learning to show; ``sft.ipynb`` trains it to the end.
+
+Both caches (the start, and :func:`trained` runs) are keyed by :func:`code_version` too: what a cache holds
+was made by the code now installed, or it is not used. ``tests/test_rlhf.py`` trains in the notebooks'
+``runs/rlhf`` with their recipes, so CI runs each of these trainings once.
 """
 
 from __future__ import annotations
@@ -17,7 +21,20 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parents[2] / "cookbook" / "llama" / "configs"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "cookbook" / "llama" / "configs"
+WORKDIR = ROOT / "cookbook" / "llama" / "runs" / "rlhf"  # the alignment notebooks' workdir
+
+
+def code_version() -> str:
+    """A hash of canntrain's source and recipes: a cached start or run is only reused by the code that made it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted([*(ROOT / "canntrain_core").rglob("*.py"), *(ROOT / "canntrain_kernels").rglob("*.py"),
+                     *CONFIGS.glob("*.yaml")]):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:8]
 
 
 @dataclass
@@ -39,7 +56,7 @@ def tiny_start(workdir: str | Path, pretrain_steps: int = 60, sft_steps: int = 1
     from canntrain_core.train.trainer import Trainer
 
     settings = {"pretrain_steps": pretrain_steps, "sft_steps": sft_steps, "seed": seed}
-    root = Path(workdir) / f"start-{pretrain_steps}-{sft_steps}-{seed}"
+    root = Path(workdir).resolve() / f"start-{pretrain_steps}-{sft_steps}-{seed}-{code_version()}"
     done = Start(root / "sft_hf", root / "prompts.jsonl", root / "pairs.jsonl", root / "sft")
     if (root / "settings.json").is_file():  # written last: a complete start
         return done
@@ -71,7 +88,7 @@ def trained(recipe, workdir: str | Path, name: str):
 
     from canntrain_core.train.trainer import make_trainer
 
-    run = Path(workdir) / f"{name}-{hashlib.sha256(recipe.to_yaml().encode()).hexdigest()[:10]}"
+    run = Path(workdir).resolve() / f"{name}-{hashlib.sha256(recipe.to_yaml().encode()).hexdigest()[:10]}-{code_version()}"
     if (run / "done").is_file():
         return make_trainer(recipe, run_dir=run, resume_from="auto", progress=False)
     shutil.rmtree(run, ignore_errors=True)
