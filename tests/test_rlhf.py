@@ -18,12 +18,11 @@ from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.recipe import load_recipe
 from canntrain_core.rlhf.rollout import generate, layout, token_logprobs
-from canntrain_core.rlhf.start import WORKDIR, tiny_start, trained
+from canntrain_core.rlhf.start import CONFIGS, WORKDIR, tiny_start, trained
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.trainer import make_trainer
 from conftest import TINY
 
-CONFIGS = Path(__file__).resolve().parents[1] / "cookbook" / "llama" / "configs"
 # the notebooks' settings: their recipes are trained once, here or there (rlhf.start.trained)
 REWARD_STEPS = 100
 ONLINE_STEPS = {"grpo": 30, "ppo": 20}

@@ -16,24 +16,19 @@ def exact_match(model, examples: list[tuple[list[int], str]], decode, eos_id: in
                 cached: bool = True, multiple_of: int = 1) -> tuple[float, list[tuple[str, str]]]:
     """Share of ``examples`` (prompt ids, expected answer) answered exactly; and (answer, expected) pairs.
 
-    ``cached``: batches of left-padded prompts decoded with a KV cache (``rlhf.rollout.generate``), which
+    ``cached``: batches of left-padded prompts decoded with a KV cache (``rlhf.rollout.sample``), which
     a 7B model needs; False re-runs each whole sequence per token, one prompt at a time (``greedy``, the
     sequence right-padded to a ``multiple_of`` the TP degree): the path for sequence parallelism, which
     cannot split a one-token decode step over its ranks.
     """
-    from canntrain_core.rlhf.rollout import generate
+    from canntrain_core.rlhf.rollout import sample
 
-    was_training = model.training
-    model.eval()
-    outs = []
-    for i in range(0, len(examples), BATCH):
-        prompts = [p for p, _ in examples[i:i + BATCH]]
-        if cached:
-            outs += [o[:o.index(eos_id) + 1] if eos_id in o else o
-                     for o in generate(model, prompts, max_new_tokens, pad_id=eos_id, temperature=0.0)]
-        else:
-            outs += [greedy(model, p, max_new_tokens, eos_id, multiple_of) for p in prompts]
-    model.train(was_training)
+    prompts = [p for p, _ in examples]
+    if cached:  # sample(): eval mode, each response cut after its first end token
+        outs = [r for i in range(0, len(prompts), BATCH)
+                for r in sample(model, prompts[i:i + BATCH], 1, max_new_tokens, eos_id, temperature=0.0).responses]
+    else:
+        outs = [greedy(model, p, max_new_tokens, eos_id, multiple_of) for p in prompts]
     pairs = [(decode(o[:-1] if o and o[-1] == eos_id else o), expected) for o, (_, expected) in zip(outs, examples)]
     hits = sum(score(a, e) for a, e in pairs)
     return hits / max(1, len(pairs)), pairs

@@ -88,7 +88,8 @@ def trained(recipe, workdir: str | Path, name: str):
 
     from canntrain_core.train.trainer import make_trainer
 
-    run = Path(workdir).resolve() / f"{name}-{hashlib.sha256(recipe.to_yaml().encode()).hexdigest()[:10]}-{code_version()}"
+    recipe_hash = hashlib.sha256(recipe.to_yaml().encode()).hexdigest()[:10]
+    run = Path(workdir).resolve() / f"{name}-{recipe_hash}-{code_version()}"
     if (run / "done").is_file():
         return make_trainer(recipe, run_dir=run, resume_from="auto", progress=False)
     shutil.rmtree(run, ignore_errors=True)
