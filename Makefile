@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.canntrain-installed
 RUN_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lab clean
+.PHONY: setup run test test-fast lab clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests cookbook --nbmake --nbmake-timeout=900 $(PYTEST_ARGS)
+
+# The edit loop: unit and single-process tests, no notebooks, no multi-process launches (a few minutes).
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab cookbook

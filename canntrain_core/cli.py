@@ -26,6 +26,8 @@ COMMAND_MODULES = [
     "canntrain_core.memory.cli",
     "canntrain_kernels.cli",
     "canntrain_core.jobs.launch_cli",
+    "canntrain_core.jobs.start_cli",  # start (the tiny recipes' starting models and data)
+    "canntrain_core.jobs.generate_cli",  # generate (sample from a run, a checkpoint or an export)
 ]
 
 

@@ -65,9 +65,10 @@ class TokenizerConfig(_Section):
 
 
 class TemplateConfig(_Section):
-    """How a conversation becomes text when the tokenizer brings no chat template of its own.
-    ``{content}`` is the turn's text; ``{eos}`` the tokenizer's end-of-text token (it ends an answer,
-    so generation stops there)."""
+    """How a conversation becomes text when the tokenizer brings no chat template of its own (or
+    ``data.chat_template: recipe`` says so). ``{content}`` is the turn's text; ``{eos}`` in the assistant
+    string the tokenizer's end-of-text token (it ends an answer, so generation stops there). A checkpoint
+    and its export carry it as an equivalent Jinja chat template (``chat_template.jinja``)."""
 
     system: str = "{content}\n\n"
     user: str = "### Instruction:\n{content}\n\n### Response:\n"
@@ -82,7 +83,7 @@ class TemplateConfig(_Section):
 
 
 # data keys that only instruction data reads (train_mode sft); a pretraining recipe may not set them
-SFT_DATA_KEYS = ("format", "train_on", "truncation", "packing", "template")
+SFT_DATA_KEYS = ("format", "train_on", "truncation", "packing", "template", "chat_template")
 
 
 class DataConfig(_Section):
@@ -113,6 +114,11 @@ class DataConfig(_Section):
     # Several samples per row, attention confined to each (block-diagonal causal mask).
     packing: bool = False
     template: TemplateConfig = Field(default_factory=TemplateConfig)
+    # Which template turns conversations into text (every stage that reads them: sft, reward, dpo, grpo,
+    # ppo): "tokenizer" the chat template of model.init_from's tokenizer (chat_template.jinja,
+    # additional_chat_templates/ or tokenizer_config.json; an error when it has none), "recipe" data.template,
+    # "auto" the tokenizer's when it has one, else data.template. Checkpoints and exports carry the one used.
+    chat_template: Literal["auto", "tokenizer", "recipe"] = "auto"
 
     @model_validator(mode="after")
     def _workers(self) -> "DataConfig":
@@ -264,7 +270,9 @@ class RLHFConfig(_Section):
     loss_aggregation: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
     # advantages divided by the std of the group's scores (GRPO), of the batch's, or not at all (Dr. GRPO)
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    # grpo, ppo: the per-token KL(policy || reference) estimate (rlhf.losses.kl_penalty); None: the stage's
+    # peers' default, k3 in GRPO's loss (TRL), k1 in PPO's reward (TRL, verl); low_var_kl: verl's clamped k3
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] | None = None
     # dpo
     beta: float = Field(0.1, gt=0)
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
@@ -274,10 +282,10 @@ class RLHFConfig(_Section):
 RLHF_KEYS = {
     "generate_max_length": ("grpo", "ppo"), "temperature": ("grpo", "ppo"), "top_k": ("grpo", "ppo"),
     "ppo_epochs": ("grpo", "ppo"), "mini_batch_size": ("grpo", "ppo"), "clip_range": ("grpo", "ppo"),
-    "kl_coeff": ("grpo", "ppo"), "value_clip_range": ("ppo",), "value_coeff": ("ppo",), "gamma": ("ppo",),
-    "lam": ("ppo",), "whiten_advantages": ("ppo",), "target_kl": ("ppo",), "missing_eos_penalty": ("ppo",),
-    "reward_model": ("ppo",), "device_placement": ("ppo",), "scorer_ranks": ("ppo",), "group_size": ("grpo",),
-    "clip_range_high": ("grpo",), "loss_aggregation": ("grpo",), "scale_rewards": ("grpo",), "kl_estimator": ("grpo",),
+    "kl_coeff": ("grpo", "ppo"), "kl_estimator": ("grpo", "ppo"), "value_clip_range": ("ppo",),
+    "value_coeff": ("ppo",), "gamma": ("ppo",), "lam": ("ppo",), "whiten_advantages": ("ppo",), "target_kl": ("ppo",),
+    "missing_eos_penalty": ("ppo",), "reward_model": ("ppo",), "device_placement": ("ppo",), "scorer_ranks": ("ppo",),
+    "group_size": ("grpo",), "clip_range_high": ("grpo",), "loss_aggregation": ("grpo",), "scale_rewards": ("grpo",),
     "beta": ("dpo",), "label_smoothing": ("dpo",),
 }
 
@@ -403,8 +411,8 @@ class Recipe(_Section):
     def summary(self) -> str:
         d = self.distributed
         lines = [
-            f"recipe {self.experiment.name!r}: {self.train_mode} {self.model.type}/{self.model.preset} "
-            f"in {self.model.precision}",
+            f"recipe {self.experiment.name!r}: {self.train_mode} "
+            f"{self.model.init_from or self.model.type + '/' + self.model.preset} in {self.model.precision}",
             f"  parallel: world {d.world_size} = tp {d.tensor_parallel_size} x pp {d.pipeline_parallel_size} "
             f"x dp {d.data_parallel_size} x cp {d.context_parallel_size} (ep {d.expert_parallel_size}, "
             f"zero {d.zero_optimization})",

@@ -1,5 +1,8 @@
 """Shared fixtures: a tiny recipe that trains in seconds, with a per-session data cache."""
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,34 @@ FAST = {
     "logging.eval_batches": 2,
     "logging.ckpt_interval": 6,
 }
+
+
+# `make test-fast` (-m "not slow"): what trains a session's shared runs, launches several processes or
+# executes notebooks is slow; everything else runs in the edit loop.
+SLOW_FIXTURES = {"pretrained", "sft_run", "runs", "start", "reward_run"}
+SLOW_FILES = {"test_rlhf.py", "test_distributed.py", "test_launch.py", "test_notebooks.py", "test_setup_memory.py",
+              "test_memory_notebook.py"}
+
+
+def pytest_configure(config):
+    """Every run without a directory of its own (notebooks under nbmake, the alignment tests' shared runs)
+    goes to one temporary $CANNTRAIN_RUNS for the session, never into the checkout."""
+    if not os.environ.get("CANNTRAIN_RUNS"):
+        config._canntrain_runs = os.environ["CANNTRAIN_RUNS"] = tempfile.mkdtemp(prefix="canntrain-runs-")
+
+
+def pytest_unconfigure(config):
+    runs = getattr(config, "_canntrain_runs", None)
+    if runs:
+        shutil.rmtree(runs, ignore_errors=True)
+        del os.environ["CANNTRAIN_RUNS"]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in SLOW_FILES
+                or item.path.suffix == ".ipynb"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

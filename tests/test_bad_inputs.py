@@ -5,7 +5,11 @@ One file per case. Its first line says what `canntrain train CASE` must do:
     # expect: <exit code> | <fragment of the message on stderr>
 
 (a YAML comment; binary and non-UTF-8 cases still start with this ASCII line, the bad bytes come
-after it). A case that is a directory holds a file `expect` with that line. Files under
+after it). A case that is a directory holds a file `expect` with that line. A case for another command
+says which on its second line, with {case} for the case's path and {run} for a fresh output path:
+
+    # args: export {case} -o {run}
+ Files under
 `bad_inputs/data/` are not cases: they are the corpora that the `bad_data_*` recipes point at,
 by paths relative to bad_inputs/. Adding a case is adding a file.
 """
@@ -23,31 +27,40 @@ from canntrain_core.cli import main
 
 CASES = Path(__file__).resolve().parent / "bad_inputs"
 _HEADER = re.compile(r"# expect: (\d+) \| (.+)")
+_ARGS = re.compile(r"# args: (.+)")
 
 
 def _cases() -> list[Path]:
     return sorted(p for p in CASES.iterdir() if p.name != "data" and not p.name.startswith("."))
 
 
-def _expectation(case: Path) -> tuple[int, str]:
+def _expectation(case: Path) -> tuple[int, str, list[str] | None]:
     header_file = case / "expect" if case.is_dir() else case
-    first = header_file.read_bytes().split(b"\n", 1)[0].decode("ascii").rstrip("\r")
+    lines = header_file.read_bytes().split(b"\n", 2)
+    first = lines[0].decode("ascii").rstrip("\r")
     m = _HEADER.fullmatch(first)
     assert m, f"{header_file}: first line must be '# expect: <exit code> | <message fragment>', got {first!r}"
-    return int(m.group(1)), m.group(2).strip()
+    args = _ARGS.fullmatch(lines[1].decode("ascii", "replace").rstrip("\r")) if len(lines) > 1 else None
+    return int(m.group(1)), m.group(2).strip(), args.group(1).split() if args else None
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda p: p.name)
 def test_bad_input_is_one_clear_message(case, tmp_path, data_cache, monkeypatch, capfd):
-    code, fragment = _expectation(case)
+    code, fragment, args = _expectation(case)
     monkeypatch.chdir(CASES)  # data cases name their corpora relative to bad_inputs/
     run = tmp_path / "run"
-    rc = main(["train", case.name, "--run-dir", str(run), "--no-progress", "--set", f"data.cache_dir={data_cache}"])
+    before = {p: p.stat().st_mtime_ns for p in case.rglob("*")} if case.is_dir() else {}
+    if args is None:
+        args = ["train", case.name, "--run-dir", str(run), "--no-progress", "--set", f"data.cache_dir={data_cache}"]
+    else:
+        args = [a.replace("{case}", case.name).replace("{run}", str(run)) for a in args]
+    rc = main(args)
     err = capfd.readouterr().err
     assert rc == code, err
     assert fragment in err
-    assert err.startswith("canntrain train: ") and "Traceback" not in err
+    assert err.startswith(f"canntrain {args[0]}: ") and "Traceback" not in err
     assert not run.exists()  # rejected before anything was written
+    assert before == ({p: p.stat().st_mtime_ns for p in case.rglob("*")} if case.is_dir() else {})  # nor changed
 
 
 def test_installed_command_rejects_a_duplicate_key(tmp_path, data_cache):

@@ -49,6 +49,7 @@ FSDP4 = {"distributed.data_parallel_size": 4, "distributed.zero_optimization": 3
 FSDP2_TP2 = {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3,
              "distributed.tensor_parallel_size": 2, "data.batch_size": 4}
 FSDP2_TP2_SP = {**FSDP2_TP2, "distributed.sequence_parallel": True}
+TIED = {"model.overrides.tie_word_embeddings": True}
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -60,10 +61,12 @@ def runs(tmp_path_factory, data_cache):
     out = tmp_path_factory.mktemp("dist")
     base = {**FAST, "data.cache_dir": data_cache, "data.batch_size": 8, "optim.max_steps": 8,
             "logging.eval_interval": 4, "logging.ckpt_interval": 100}
-    run_layouts(str(TINY), out, base, ["single={}", f"single_bf16={json.dumps(BF16)}"])  # references, here
+    run_layouts(str(TINY), out, base, ["single={}", f"single_bf16={json.dumps(BF16)}",  # references, here
+                                       f"single_tied={json.dumps(TIED)}"])
     log = launch_layouts(TINY, out, 2, base, {**LAYOUTS, "fsdp2_bf16": {**LAYOUTS["fsdp2"], **BF16}})
     (out / "launch2.log").write_text(log)
-    launch_layouts(TINY, out, 4, base, {"fsdp2_tp2": FSDP2_TP2, "fsdp2_tp2_sp": FSDP2_TP2_SP, "fsdp4@4": FSDP4})
+    launch_layouts(TINY, out, 4, base, {"fsdp2_tp2": FSDP2_TP2, "fsdp2_tp2_sp": FSDP2_TP2_SP, "fsdp4@4": FSDP4,
+                                       "fsdp2_tp2_tied": {**FSDP2_TP2, **TIED}})
     step4 = out / "fsdp4" / "checkpoints" / "step_4"
     launch_layouts(TINY, out, 2, base, {f"fsdp2_from4<{step4}": LAYOUTS["fsdp2"]})
     run_layouts(str(TINY), out, base, [f"single_from4<{step4}={{}}"])
@@ -108,6 +111,36 @@ def test_export_of_a_4_rank_checkpoint_equals_the_export_of_the_same_weights_fro
     for name in a.files:
         ta, tb = load_file(a.out / name), load_file(b.out / name)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_tied_embeddings_stay_one_tensor_under_fsdp2_tp2(runs, tmp_path):
+    """tie_word_embeddings under FSDP2 x TP2 trains the single process's curve, its checkpoint holds one
+    matrix under both names, and its export (no lm_head.weight) loads with transformers to the single
+    process's logits."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+
+    from canntrain_core.checkpoint.export import export_hf
+
+    ref, got = losses(runs / "single_tied"), losses(runs / "fsdp2_tp2_tied")
+    assert sorted(got) == sorted(ref) == list(range(1, 9))
+    assert max(abs(got[s] - ref[s]) for s in ref) < LOSS_TOL
+    assert max(abs(got[s] - losses(runs / "single")[s]) for s in ref) > 10 * LOSS_TOL  # tying changes the model
+    ckpt = runs / "fsdp2_tp2_tied" / "checkpoints" / "step_8"
+    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    pair = {k: torch.empty(meta[k].size) for k in ("model.model.embed_tokens.weight", "model.lm_head.weight")}
+    dcp.load(pair, storage_reader=FileSystemReader(str(ckpt)))
+    assert torch.equal(*pair.values())
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for name in ("fsdp2_tp2_tied", "single_tied"):
+        out = export_hf(runs / name, tmp_path / name)
+        model = AutoModelForCausalLM.from_pretrained(out.out)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert (logits[0] - logits[1]).abs().max() < 1e-3
 
 
 def test_fsdp2_mixed_precision_matches_bf16_autocast(runs):

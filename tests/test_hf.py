@@ -34,11 +34,12 @@ LOGITS_TOL = 1e-5  # fp32; measured 0.0 (one process) and 4.8e-7 (4 ranks)
 IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-def write_hf_model(path: Path, vocab: int = VOCAB, tokenizer_vocab: int = VOCAB) -> LlamaForCausalLM:
-    """A random tiny Llama and a byte-level BPE tokenizer, written by transformers' own save_pretrained."""
+def write_hf_model(path: Path, vocab: int = VOCAB, tokenizer_vocab: int = VOCAB, tie: bool = False) -> LlamaForCausalLM:
+    """A random tiny Llama and a byte-level BPE tokenizer, written by transformers' own save_pretrained
+    (``tie``: the output head is the embedding, as in Llama 3.2 1B/3B; no lm_head.weight is written)."""
     config = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=0)
+                         bos_token_id=None, eos_token_id=0, tie_word_embeddings=tie)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, max_shard_size="200KB")  # several shards and an index
@@ -76,6 +77,7 @@ def test_init_from_gives_the_same_logits_as_transformers(hf_dir):
         assert (built.model(IDS) - hf(IDS).logits).abs().max() <= LOGITS_TOL
 
 
+@pytest.mark.slow
 def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(hf_dir, tmp_path):
     """One torchrun launch: FSDP2 x TP2 and PP2 x FSDP2, seeded and from init_from (tests/_hf_ranks.py)."""
     path, hf = hf_dir
@@ -128,6 +130,57 @@ def test_train_from_hf_then_export_loads_with_transformers(hf_dir, tmp_path, dat
     # never overwritten
     assert main(["export", str(tmp_path / "run"), "-o", str(out)]) == 2
     assert "already exists and is not empty" in capsys.readouterr().err
+
+
+def _tensor_names(d: Path) -> set[str]:
+    from canntrain_core.models.hf import weight_files
+
+    return set(weight_files(d))
+
+
+def test_a_tied_model_from_hf_trains_tied_and_exports_what_it_trained(tmp_path, data_cache):
+    """A directory without lm_head.weight (tie_word_embeddings) loads; the head stays the embedding through
+    training; the export has no lm_head.weight either and gives the trained model's logits."""
+    src = tmp_path / "tied"
+    hf = write_hf_model(src, tie=True)
+    assert "lm_head.weight" not in _tensor_names(src)
+    trainer = Trainer(recipe_from(src, data_cache), run_dir=tmp_path / "run", progress=False)
+    model = trainer.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert (model(IDS) - hf(IDS).logits).abs().max() <= LOGITS_TOL
+    trainer.fit()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # one tensor, one optimizer state
+    assert main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 0
+    assert "lm_head.weight" not in _tensor_names(tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.config.tie_word_embeddings and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    model.eval()
+    with torch.no_grad():
+        assert (loaded(IDS).logits - model(IDS)).abs().max() <= LOGITS_TOL
+
+
+def test_a_fresh_tied_run_exports_what_it_trained(tmp_path, fast_recipe):
+    recipe = fast_recipe(**{"model.overrides.tie_word_embeddings": True, "optim.max_steps": 4})
+    trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
+    trainer.fit()
+    model = trainer.model.eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (loaded(ids).logits - model(ids)).abs().max() <= LOGITS_TOL
+
+
+def test_tied_embeddings_under_pipeline_parallel_are_refused(fast_recipe):
+    from canntrain_core.errors import RecipeError
+    from canntrain_core.parallel.layout import check_layout
+
+    recipe = fast_recipe(**{"model.overrides.tie_word_embeddings": True, "distributed.world_size": 2,
+                            "distributed.pipeline_parallel_size": 2, "optim.grad_accum_steps": 2})
+    with pytest.raises(RecipeError, match="tie_word_embeddings cannot be split by pipeline_parallel_size"):
+        check_layout(recipe, model_config(recipe.model, 512))
 
 
 def _rewrite_shard_with_wrong_shape(d: Path) -> str:

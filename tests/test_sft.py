@@ -9,6 +9,7 @@ to 3e-6 (tolerance 1e-4); LoRA under FSDP2 on 2 gloo ranks matches one process t
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tokenizers import pre_tokenizers, trainers
 
 from canntrain_core.checkpoint.export import export_hf
 from canntrain_core.data.tokenizer import new_byte_level_bpe
+from canntrain_core.errors import BadInput
 from canntrain_core.finetune.data import build_sft_data, write_jsonl
 from canntrain_core.finetune.evaluate import exact_match
 from canntrain_core.finetune.format import ChatFormat
@@ -112,7 +114,9 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": task_data(tmp_path, 600),
+    base = tmp_path / "base"  # a copy: replaced below
+    shutil.copytree(pretrained, base)
+    recipe = load_recipe(None, {**SFT, "model.init_from": str(base), "data.source": task_data(tmp_path, 600),
                                 "data.cache_dir": data_cache, "lora.enabled": True, "optim.max_steps": 20, "data.batch_size": 8,
                                 "optim.lr": 3e-2, "logging.eval_interval": 20})
     trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
@@ -135,6 +139,16 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), adapter.out).eval()
         assert (peft_model(ids).logits - ours).abs().max() <= 1e-5
         assert (AutoModelForCausalLM.from_pretrained(merged.out)(ids).logits - ours).abs().max() <= 1e-4
+    # the base replaced by other weights at the same path: merging or resuming onto it is refused
+    other = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        other.model.norm.weight.mul_(2)
+    other.save_pretrained(base)
+    for attempt in (lambda: export_hf(tmp_path / "run", tmp_path / "merged2", merge=True),
+                    lambda: Trainer(recipe, run_dir=tmp_path / "run", resume_from="auto", progress=False)):
+        with pytest.raises(BadInput, match=r"the LoRA base .*base is not the model .* model.safetensors changed"):
+            attempt()
+    assert not (tmp_path / "merged2").exists()
 
 
 def test_sft_and_lora_under_fsdp2_and_tp2_sp_on_2_ranks_match_one_process(sft_run, tmp_path, data_cache):

@@ -262,3 +262,13 @@ def test_recipe_drift_is_named_on_resume_and_a_new_shape_is_refused(tmp_path, fa
     out = capsys.readouterr().out
     assert f"optim.lr: {recipe.optim.lr} -> 0.0001" in out
     assert "max_steps" not in out and "log_interval" not in out and "timeout_seconds" not in out
+
+
+def test_val_fraction_0_trains_without_evaluation(tmp_path, fast_recipe):
+    """data.val_fraction 0 holds out nothing: the run trains and logs no validation metrics."""
+    result = Trainer(fast_recipe(**{"data.val_fraction": 0.0, "optim.max_steps": 6}), run_dir=tmp_path / "run",
+                     progress=False).fit()
+    rows = read_metrics(tmp_path / "run")
+    assert result.step == 6 and result.val_loss is None
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))
+    assert not any("val_loss" in r for r in rows)

@@ -6,6 +6,7 @@ Layout of ``checkpoints/step_N/``::
     trainer_state_rank{R}.pt      step, scheduler, sampler and RNG states of rank R
     recipe.resolved.yaml          the recipe that wrote it
     config.json, tokenizer.json   the model's transformers config and the tokenizer (for export)
+    tokenizer_config.json, ...    its special tokens, chat template, generation config (when there are any)
     manifest.json                 size and sha256 of every file above; written last
 
 Everything is written into ``checkpoints/.tmp-step_N-*`` and renamed into place only when
@@ -207,7 +208,8 @@ def save_checkpoint(
     _barrier()
     if rank() == 0:
         for name, text in files.items():
-            (tmp / name).write_text(text)
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # e.g. additional_chat_templates/
+            (tmp / name).write_text(text, encoding="utf-8")
         _write_manifest(tmp, step)
         os.rename(tmp, final)  # atomic on one file system: step_N appears complete or not at all
         if keep_last:

@@ -1,9 +1,11 @@
 """``canntrain export``: a canntrain checkpoint (DCP, any layout) to a Hugging Face model directory.
 
 Writes what transformers' ``save_pretrained`` writes for a Llama: ``config.json``,
-``generation_config.json``, ``model.safetensors`` or shards plus ``model.safetensors.index.json``,
-and the tokenizer as ``tokenizer.json`` + ``tokenizer_config.json``, so that plain
-``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)`` load it.
+``generation_config.json`` (``model.init_from``'s when it had one), ``model.safetensors`` or shards plus
+``model.safetensors.index.json``, and the tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (its
+special tokens) + ``chat_template.jinja`` (the template the run formatted conversations with: the
+tokenizer's, or ``data.template`` as Jinja), so that plain ``AutoModelForCausalLM.from_pretrained(DIR)``,
+``AutoTokenizer.from_pretrained(DIR)`` and its ``apply_chat_template`` work as the run did.
 
 The export never gathers the model: DCP's metadata says which tensors exist, and one output shard at
 a time (``--max-shard-size``) is read from the checkpoint's files, cast and written. A checkpoint
@@ -41,6 +43,24 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+BASE_FINGERPRINT = "base_fingerprint.json"  # in a LoRA checkpoint: the base model its adapters adapt
+
+
+def check_base(ckpt: Path, base: str | Path, what: str) -> None:
+    """A LoRA checkpoint's adapters were trained on the base its fingerprint names; refuse ``what``
+    (``--merge``, ``resume``) when the directory at ``base`` now holds something else."""
+    from canntrain_core.models.hf import base_changes
+
+    saved = Path(ckpt) / BASE_FINGERPRINT
+    if not saved.is_file():  # written by an older canntrain: nothing to compare
+        return
+    changed = base_changes(json.loads(saved.read_text()), base)
+    if changed:
+        raise BadInput(f"{what}: the LoRA base {base} is not the model {ckpt}'s adapters were trained on "
+                       f"({', '.join(changed)} changed since; {saved.name} holds the original's fingerprint): "
+                       "put the original back at that path, or train the adapters anew")
+
+
 def resolve_checkpoint(source: str | Path) -> Path:
     """A checkpoint directory, or a run directory's newest complete checkpoint."""
     p = Path(source)
@@ -49,6 +69,9 @@ def resolve_checkpoint(source: str | Path) -> Path:
         if found is None:
             raise CheckpointError(f"{p}: no complete checkpoint under {p / 'checkpoints'}")
         return found
+    if (p / "metrics.jsonl").is_file() or ((p / "recipe.resolved.yaml").is_file() and not (p / ".metadata").is_file()):
+        raise CheckpointError(f"no checkpoint in {p}: the run wrote none (it saves every logging.ckpt_interval "
+                              "steps and at its last step)")
     verify_checkpoint(p)
     return p
 
@@ -78,7 +101,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max
     """
     import yaml
     from torch.distributed.checkpoint import FileSystemReader
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import LlamaConfig
 
     ckpt = resolve_checkpoint(source)
     out = Path(out)
@@ -90,6 +113,8 @@ def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max
     lora = recipe.get("lora", {}).get("enabled", False)
     if merge and not lora:
         raise BadInput(f"--merge: {ckpt} is not a LoRA run's checkpoint; there is no adapter to merge")
+    if merge:
+        check_base(ckpt, recipe["model"]["init_from"], "--merge")
     dtype = dtype or {"bf16": "bf16", "fp16": "fp16"}.get(recipe["model"]["precision"], "fp32")
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -116,11 +141,17 @@ def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max
             else:
                 shapes = {n: v.size for n, v in stored.items()}
                 load = partial(_load_from_checkpoint, ckpt, stored, prefix=prefix)
+            if config.tie_word_embeddings and "lm_head.weight" in shapes and not merge:
+                # one tensor under two names since training keeps the tie; a checkpoint where they differ
+                # (written before that) is exported as what it trained: untied
+                pair = load(["model.embed_tokens.weight", "lm_head.weight"])
+                config.tie_word_embeddings = torch.equal(pair["model.embed_tokens.weight"], pair["lm_head.weight"])
+                del pair
             if config.tie_word_embeddings:
                 shapes.pop("lm_head.weight", None)  # transformers ties it back on load
             done = _write_shards(tmp, shapes, load, DTYPES[dtype], parse_size(max_shard_size))
             config.save_pretrained(tmp)
-            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+            _write_generation_config(ckpt, config, tmp)
         _write_tokenizer(ckpt, config, tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -219,15 +250,35 @@ def _merged_source(ckpt: Path, stored: dict, recipe: dict):
 
 
 def _write_tokenizer(ckpt: Path, config, out: Path) -> None:
-    """tokenizer.json + tokenizer_config.json through transformers' own writer, so AutoTokenizer loads them."""
+    """The tokenizer through transformers' own writer, so AutoTokenizer loads it: tokenizer.json, and
+    tokenizer_config.json with the special tokens and the chat template the run used (the checkpoint's
+    tokenizer_config.json and chat_template.jinja; a checkpoint older than those: the EOS of config.json)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     if not (ckpt / "tokenizer.json").is_file():
         return
-    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    eos_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
-    eos = tok.id_to_token(eos_id) if eos_id is not None else None
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos,
-                                   model_max_length=config.max_position_embeddings)
+    if (ckpt / "tokenizer_config.json").is_file():
+        fast = PreTrainedTokenizerFast.from_pretrained(str(ckpt))
+        fast.init_kwargs.pop("is_local", None), fast.init_kwargs.pop("local_files_only", None)  # how it was read
+    else:
+        tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+        eos_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+        eos = tok.id_to_token(eos_id) if eos_id is not None else None
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos,
+                                       model_max_length=config.max_position_embeddings)
     fast.save_pretrained(out)
+
+
+def _write_generation_config(ckpt: Path, config, out: Path) -> None:
+    """generation_config.json: model.init_from's (sampling settings, its list of end tokens), which the
+    checkpoint carries; else, as transformers does, one from the model's config."""
+    from transformers import GenerationConfig
+
+    if not (ckpt / "generation_config.json").is_file():
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+        return
+    try:
+        GenerationConfig.from_pretrained(str(ckpt)).save_pretrained(out)
+    except ValueError:  # a source file transformers would not write itself: carried as it is
+        shutil.copyfile(ckpt / "generation_config.json", out / "generation_config.json")

@@ -123,8 +123,8 @@ class SFTBundle:
                           drop_last=True)
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
-        if self.val is None:
-            raise DataError("no validation split: data.val_fraction is 0")
+        if self.val is None:  # data.val_fraction 0: no evaluation
+            return []
         per_round = batch_size * dp_size
         total = min(n_samples, len(self.val)) // per_round * per_round
         if total == 0:
@@ -149,7 +149,8 @@ def build_sft_data(cfg, seed: int, dp_rank: int = 0, dp_size: int = 1, tokenizer
 
     ``tokenizer`` (a data.tokenizer.TrainedTokenizer) comes with the model (``model.init_from``); without
     one a byte-level BPE tokenizer is trained on the conversations. ``chat_template``: a transformers
-    tokenizer whose chat template formats the text instead of ``cfg.template``.
+    tokenizer whose chat template formats the text instead of ``cfg.template`` (both from
+    ``data.tokenizer.pretrained_tokenizer``, which ``data.chat_template`` steers).
     """
     start = time.perf_counter()
     convs, bad = read_conversations(cfg.source, cfg.format, cfg.on_bad_record)
@@ -190,23 +191,11 @@ def build_sft_data(cfg, seed: int, dp_rank: int = 0, dp_size: int = 1, tokenizer
             "padding_fraction": round(train_stats["padding_fraction"], 4),
             "trained_tokens_per_epoch": trained, "tokenizer_path": str(tokenizer.path),
             "tokenizer_source": "given" if given else "trained",
-            "chat_template": "tokenizer's" if chat_template is not None else "data.template",
+            "chat_template": fmt.source if chat_template is not None else "data.template",
             "total_seconds": round(time.perf_counter() - start, 3)}
     sampler = ResumableSampler(len(train_rows), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
     return SFTBundle(cfg, tokenizer.tokenizer, vocab_size, tokenizer.eos_id, fmt, Rows(train_rows),
                      Rows(val_rows) if val_rows else None, sampler, evals, info)
-
-
-def chat_template_of(init_from: str | None):
-    """The transformers tokenizer of a model directory whose tokenizer_config.json has a chat template."""
-    if not init_from:
-        return None
-    cfg = Path(init_from) / "tokenizer_config.json"
-    if not cfg.is_file() or not json.loads(cfg.read_text()).get("chat_template"):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(init_from)
 
 
 def _train_tokenizer(convs: list[Conversation], cfg):

@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 import canntrain_kernels as kernels
 from canntrain_kernels.registry import Selection
+from canntrain_core.errors import RecipeError
 
 _PRECISION_DTYPES = {"fp32": ("fp32",), "bf16": ("fp32", "bf16"), "fp16": ("fp32", "fp16")}
 
@@ -100,6 +101,22 @@ def select_kernels(model_config: Any, device: str | None = None) -> dict[str, Se
     return {op: kernels.select(op, b, device, dtypes) for op, b in kernels.resolve(default, overrides).items()}
 
 
+def check_kernels_fit(config: Any, model_section: Any, applied: bool = False) -> None:
+    """The fused kernels compute a Llama block: SiLU-gated MLP, attention without dropout. A RecipeError
+    naming the key otherwise (the trainer asks before any work starts; ``applied``: they are being applied)."""
+    eager = getattr(model_section, "kernels", "eager") == "eager" and not getattr(model_section, "kernel_overrides", None)
+    if eager and not applied:
+        return  # transformers' own modules run whatever the config says
+    chosen_by = f"model.kernels={getattr(model_section, 'kernels', '?')}"
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise RecipeError(f"{chosen_by}: the fused swiglu kernel needs hidden_act silu, the model's config has "
+                          f"hidden_act {act!r}; use model.kernels=eager (transformers' own MLP)")
+    if getattr(config, "attention_dropout", 0.0):
+        raise RecipeError(f"{chosen_by}: the fused attention has no dropout, the model's config has "
+                          "attention_dropout > 0; set it to 0 or use model.kernels=eager")
+
+
 def apply_kernels(model: torch.nn.Module, model_config: Any, device: str | None = None) -> torch.nn.Module:
     """Route the Llama model's norms, RoPE, MLP activation and attention through the kernel registry.
 
@@ -110,11 +127,7 @@ def apply_kernels(model: torch.nn.Module, model_config: Any, device: str | None 
     """
     config = getattr(model, "config", None)
     if config is not None:
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"apply_kernels: the swiglu kernel needs hidden_act silu, the model has {act!r}")
-        if getattr(config, "attention_dropout", 0.0):
-            raise ValueError("apply_kernels: the fused attention has no dropout; set attention_dropout to 0")
+        check_kernels_fit(config, model_config, applied=True)
     device = _device_type(model, device)
     chosen = select_kernels(model_config, device)
     fns = {op: kernels.registry.kernel(op, sel.backend).fn for op, sel in chosen.items()}

@@ -12,6 +12,7 @@ that parallel training inserts and the Hugging Face names leave out.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -45,6 +46,11 @@ def hf_name(name: str) -> str:
 def read_config(directory: str | Path) -> LlamaConfig:
     """``DIR/config.json`` as a LlamaConfig; an HFFormatError naming the file for anything else."""
     path = Path(directory) / "config.json"
+    if not Path(directory).exists():
+        raise HFFormatError(
+            f"model.init_from: {directory} does not exist (relative paths start at {Path.cwd()}). Write it with "
+            f"`canntrain export RUN_DIR -o {directory}` from a finished run; the tiny recipes' starts "
+            "(runs/tiny_pretrained_hf, runs/tiny_sft_hf and the task data) come from `canntrain start`")
     if not path.is_file():
         raise HFFormatError(f"model.init_from: {path} not found (a Hugging Face model directory holds config.json)")
     try:
@@ -75,6 +81,60 @@ def check_against_recipe(config: LlamaConfig, preset_fields: dict[str, Any] | No
         raise BadInput("model.init_from: the recipe contradicts the checkpoint's config (with init_from the "
                        "architecture comes from config.json; drop model.preset / model.overrides):\n  "
                        + "\n  ".join(problems))
+
+
+# Which config key a tensor's dimension shows: (tensor name suffix, dimension) -> key.
+_SHAPE_KEYS = {("embed_tokens.weight", 0): "vocab_size", ("embed_tokens.weight", 1): "hidden_size",
+               ("mlp.up_proj.weight", 0): "intermediate_size", ("self_attn.q_proj.weight", 0): "num_attention_heads",
+               ("self_attn.k_proj.weight", 0): "num_key_value_heads"}
+
+
+def check_weights(config: LlamaConfig, directory: str | Path) -> None:
+    """The safetensors in DIR are the tensors config.json describes, all of them, of the shapes it implies.
+
+    A disagreement is named by its config key, once (``hidden_size`` wrong shows in 22 tensors of a
+    2-layer model: one line says so); tensors the config does not use are named, not ignored. Reads
+    the headers only; the model is built on ``meta``.
+    """
+    from transformers import LlamaForCausalLM
+
+    d = Path(directory)
+    available = weight_files(d)
+    with torch.device("meta"):
+        expected = {n: list(t.shape) for n, t in LlamaForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    keys: dict[str, str] = {}
+    problems = []
+    for (suffix, dim), key in _SHAPE_KEYS.items():  # a key is wrong when every tensor it shapes disagrees
+        shaped = [(n, available[n]["shape"]) for n in expected if n.endswith(suffix) and n in available]
+        wrong = [(n, s) for n, s in shaped if len(s) > dim and s[dim] != expected[n][dim]]
+        if shaped and len(wrong) == len(shaped) and key not in keys:
+            keys[key] = f"config.json's {key}={getattr(config, key)} disagrees with the tensors ({wrong[0][0]} is {wrong[0][1]})"
+    for name, shape in expected.items():
+        have = available.get(name)
+        if have is None or have["shape"] == shape:
+            continue
+        problems.append(f"{name} in {have['file']}: shape {have['shape']}, the model needs {shape}")
+    layers = {int(n.split(".")[2]) for n in available if n.startswith("model.layers.")}
+    if layers and max(layers) + 1 != config.num_hidden_layers:
+        keys["num_hidden_layers"] = (f"config.json's num_hidden_layers={config.num_hidden_layers} disagrees with the "
+                                     f"tensors (they hold {max(layers) + 1} layers)")
+    if "lm_head.weight" in available and config.tie_word_embeddings:
+        keys["tie_word_embeddings"] = ("config.json's tie_word_embeddings=true, but the files hold an lm_head.weight "
+                                       "of their own (set it to false to use it)")
+    if "lm_head.weight" not in available and not config.tie_word_embeddings and "model.embed_tokens.weight" in available:
+        keys["tie_word_embeddings"] = ("config.json's tie_word_embeddings=false, but the files hold no lm_head.weight "
+                                       "(a tied model: set it to true)")
+    if not keys:  # what is left is not explained by one key: name the tensors
+        missing = [n for n in expected if n not in available]
+        unused = [n for n in available if n not in expected]
+        problems += [f"{n}: missing from {d} (no safetensors file holds it)" for n in missing]
+        problems += [f"{n} in {available[n]['file']}: not a tensor of the model config.json describes" for n in unused]
+    lines = list(keys.values()) or problems  # a wrong key shows in many tensors: say the key
+    if lines:
+        more = f"\n  ... and {len(lines) - 8} more" if len(lines) > 8 else ""
+        raise HFFormatError(f"model.init_from: {d} does not fit its config.json:\n  " + "\n  ".join(lines[:8]) + more)
 
 
 def weight_files(directory: str | Path) -> dict[str, dict[str, Any]]:
@@ -172,3 +232,36 @@ def tokenizer_eos(directory: str | Path, config: LlamaConfig, tokenizer) -> int:
         raise HFFormatError(f"{d / 'tokenizer.json'}: no EOS token (neither tokenizer_config.json's eos_token nor "
                             "config.json's eos_token_id); documents need one between them")
     return int(eos_id)
+
+
+_WHOLE_FILE = 64 * 2**20  # hash files up to this size whole; sample bigger ones (a 70B base is 140 GB)
+_SAMPLES, _SAMPLE_BYTES = 64, 2**20
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of the file, or of its size and 64 evenly spaced 1 MiB pieces when it is larger than 64 MiB:
+    a replaced or retrained weight file changes it, at the cost of reading 64 MiB, not the file."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= _WHOLE_FILE:
+            h.update(f.read())
+        else:
+            for i in range(_SAMPLES):
+                f.seek(i * (size - _SAMPLE_BYTES) // (_SAMPLES - 1))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def base_fingerprint(directory: str | Path) -> dict[str, str]:
+    """What identifies a base model directory: config.json's and each safetensors file's digest. A LoRA run
+    keeps it beside its adapters; ``--merge`` and a resume compare it with what is at the path now."""
+    d = Path(directory)
+    names = ["config.json", *sorted({v["file"] for v in weight_files(d).values()})]
+    return {name: _file_digest(d / name) for name in names}
+
+
+def base_changes(saved: dict[str, str], directory: str | Path) -> list[str]:
+    """The files of ``directory`` that differ from the fingerprint ``saved`` (empty: the same base)."""
+    now = base_fingerprint(directory)
+    return sorted({*saved, *now} - {k for k in saved if saved.get(k) == now.get(k)})

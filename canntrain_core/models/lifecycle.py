@@ -4,7 +4,9 @@ benchmark builds a model for training through.
 1. build the transformers Llama on the ``meta`` device (shapes only: any size, no memory);
 2. route it through the recipe's kernels and wrap it as a CausalLM (the loss inside the root module);
 3. ``parallelize``: pipeline split, tensor parallel, recompute, compile, FSDP2 / DDP, still on meta;
-4. ``to_empty`` on the target device: each rank allocates only the shards it holds;
+4. ``to_empty`` on the target device: each rank allocates only the shards it holds; a tied output
+   head (``tie_word_embeddings``) is tied back to the embedding (``to_empty`` gives each module a
+   tensor of its own), so the two stay one parameter through training, checkpoints and export;
 5. fill them: ``model.init_from``'s safetensors (each rank reads its own slices), or the seeded,
    layout-independent initialisation of ``models.init``; recompute the RoPE buffers.
 
@@ -38,7 +40,8 @@ class BuiltModel:
     loaded: list[dict[str, Any]] = field(default_factory=list)  # init_from: this rank's tensors and slices
 
 
-def build_meta_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, head: str = "lm"):
+def build_meta_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, head: str = "lm",
+                     trainable: bool = True):
     """Steps 1-3: the parallelized CausalLM on ``meta`` and its pipeline schedule (or None).
 
     ``mesh`` and ``dims`` come from ``runtime.distributed``; leave them out on one device. The memory
@@ -63,20 +66,35 @@ def build_meta_model(recipe, config: LlamaConfig, device: torch.device, mesh=Non
     if head == "scalar":
         with torch.device("meta"):
             model.lm_head = torch.nn.Linear(config.hidden_size, 1, bias=False)
-    schedule = parallelize(model, mesh, dims, recipe, device)
+    schedule = parallelize(model, mesh, dims, recipe, device, trainable)
     return model, schedule
 
 
+def tie_head(model: CausalLM, config: LlamaConfig) -> None:
+    """Make the output head use the embedding's parameter when the config ties them.
+
+    ``to_empty`` materializes each module's parameters on its own, so a tie made on ``meta`` is lost
+    for plain tensors (one process, or TP's replicated embedding); FSDP2's DTensors are swapped in place
+    and keep it. Pipeline stages hold either the embedding or the head, never both: the layout
+    validator refuses tied embeddings under pipeline parallel.
+    """
+    embed = model.model.embed_tokens
+    if config.tie_word_embeddings and embed is not None and model.lm_head is not None:
+        model.lm_head.weight = embed.weight
+
+
 def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None,
-                         fill: bool = True, head: str = "lm") -> BuiltModel:
+                         fill: bool = True, head: str = "lm", trainable: bool = True) -> BuiltModel:
     """Steps 1-5 above for ``recipe`` (its model, distributed and seed) on ``device``.
 
     ``fill=False`` skips step 5's weights (a resumed run loads every one of them from its checkpoint;
     a LoRA run fills its base from ``model.init_from`` on resume too: its checkpoints hold adapters only).
     """
     m = recipe.model
-    model, schedule = build_meta_model(recipe, config, device, mesh, dims, head)
+    model, schedule = build_meta_model(recipe, config, device, mesh, dims, head, trainable)
     model.to_empty(device=device)
+    if head == "lm":
+        tie_head(model, config)
     fresh = is_adapter if head == "lm" else lambda n: is_adapter(n) or n.endswith("lm_head.weight")  # not in init_from
     loaded: list[dict[str, Any]] = []
     if not fill:
@@ -90,3 +108,11 @@ def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh
         source = f"initialised from seed {recipe.experiment.seed}"
     reset_buffers(model, config, device)
     return BuiltModel(model, config, schedule, source, loaded)
+
+
+def build_frozen_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, fill: bool = True,
+                       head: str = "lm") -> CausalLM:
+    """A model that only runs (DPO's and GRPO's reference, PPO's reference and reward model): laid out as the
+    trained one, without gradients, in eval mode; ``fill`` and ``head`` as for :func:`build_training_model`."""
+    model = build_training_model(recipe, config, device, mesh, dims, fill, head, trainable=False).model
+    return model.requires_grad_(False).eval()

@@ -72,16 +72,17 @@ def build_config(preset: str, overrides: dict[str, Any] | None = None, vocab_siz
 
 def model_config(m, vocab_size: int | None = None) -> LlamaConfig:
     """The architecture a recipe's ``model`` section describes: ``model.init_from``'s config.json
-    (checked against a preset set explicitly and against ``model.overrides``), else the preset with
+    (checked against a preset set explicitly, against ``model.overrides`` and against its tensors), else the preset with
     overrides and the tokenizer's ``vocab_size``."""
     if m.init_from:
         from pathlib import Path
 
-        from canntrain_core.models.hf import check_against_recipe, read_config
+        from canntrain_core.models.hf import check_against_recipe, check_weights, read_config
 
         config = read_config(m.init_from)
         preset = PRESETS[m.preset] if "preset" in m.model_fields_set else None
         check_against_recipe(config, preset, m.overrides, Path(m.init_from))
+        check_weights(config, m.init_from)  # the safetensors are what config.json says
         return config
     return build_config(m.preset, m.overrides, vocab_size)
 

@@ -14,7 +14,9 @@ from canntrain_core.parallel.recompute import apply_recompute
 from canntrain_core.parallel.tp import apply_tp
 
 
-def parallelize(model, mesh, dims, recipe, device: torch.device):
+def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool = True):
+    """``trainable=False``: a frozen model (a reference, a reward model) is sharded like the trained one but
+    never wrapped by DDP, which has no gradient to synchronise and refuses a module without one."""
     names = mesh.mesh_dim_names if mesh is not None else ()
     if dims.pp > 1:
         split_stage(model, mesh.get_local_rank("pp"), dims.pp)
@@ -28,7 +30,7 @@ def parallelize(model, mesh, dims, recipe, device: torch.device):
         dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
         apply_fsdp(model, mesh[dp_names], recipe.distributed.zero_optimization, recipe.model.precision,
                    recipe.optim.offload_optimizer, pipeline=dims.pp > 1)
-    elif dims.dp_replicate > 1:
+    elif dims.dp_replicate > 1 and trainable:
         apply_ddp(model, mesh["dp_replicate"])
     if dims.pp > 1:
         d = recipe.distributed

@@ -175,13 +175,13 @@ def build_prompt_data(cfg, seed: int, max_new: int, dp_rank: int = 0, dp_size: i
             bad.append(f"{c.name}: {why}")
             continue
         (val if _is_val(c.name, cfg.val_fraction) else train).append((enc.ids[: enc.prompt_len], c.answer))
-    if not train or not val:
+    if not train or (cfg.val_fraction > 0 and not val):
         raise DataError(f"{cfg.source}: {len(train)} training and {len(val)} held-out prompts; both must be "
-                        "non-empty (data.val_fraction, data.seq_length)")
+                        "non-empty (data.val_fraction, data.seq_length; data.val_fraction 0: no held-out score)")
     sampler = ResumableSampler(len(train), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
     info = {"source": str(cfg.source), "records": len(convs), "bad_records": len(bad), "bad_record_examples": bad[:10],
             "train_prompts": len(train), "val_prompts": len(val), "tokenizer_path": str(tokenizer.path),
-            "tokenizer_source": "given"}
+            "tokenizer_source": "given", "chat_template": fmt.source if chat_template is not None else "data.template"}
     return PromptBundle(cfg, tokenizer.tokenizer, vocab_size or cfg.tokenizer.vocab_size, tokenizer.eos_id, fmt,
                         train, val, sampler, info)
 

@@ -63,19 +63,18 @@ class FrozenModels:
         ``cast``: stored in the recipe's 16-bit precision (a scorer rank's whole copies; they never train);
         ``reward_ckpt``: :func:`reward_checkpoint` of ``rlhf.reward_model``, already verified."""
         from canntrain_core.checkpoint.dcp import load_model_weights
-        from canntrain_core.models.lifecycle import build_training_model
+        from canntrain_core.models.lifecycle import build_frozen_model
 
         h = recipe.rlhf
         reference = reward = None
         if h.kl_coeff > 0:  # always the init_from weights
-            reference = build_training_model(recipe, config, device, mesh, dims).model
+            reference = build_frozen_model(recipe, config, device, mesh, dims)
         if h.reward_model:
-            reward = build_training_model(recipe, config, device, mesh, dims, fill=False, head="scalar").model
+            reward = build_frozen_model(recipe, config, device, mesh, dims, fill=False, head="scalar")
             load_model_weights(reward_ckpt or reward_checkpoint(h.reward_model), reward, verify=reward_ckpt is None)
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.model.precision)
         for m in (reference, reward):
             if m is not None:
-                m.requires_grad_(False).eval()
                 if cast and half is not None:
                     m.to(half)
         return cls(reference, reward, h.temperature)

@@ -4,10 +4,11 @@ Each iteration: for ``data.batch_size`` prompts the policy samples ``rlhf.group_
 programmatic scorer scores them; each answer's advantage is its score minus its group's mean over the
 group's standard deviation (every token of the answer gets it); then ``rlhf.ppo_epochs`` passes of
 clipped policy-gradient steps over mini-batches of ``rlhf.mini_batch_size`` responses (clip range
-``clip_range`` below 1, ``clip_range_high`` above: DAPO's clip-higher), with the k3 estimate of
-KL(policy || reference) in the loss (``rlhf.kl_coeff``; 0 loads no reference). ``rlhf.loss_aggregation``
-says how token losses become one number (``losses.aggregate``). No critic and no reward model: that is
-the memory GRPO saves over PPO.
+``clip_range`` below 1, ``clip_range_high`` above: DAPO's clip-higher), with ``rlhf.kl_coeff`` x the
+``rlhf.kl_estimator`` estimate (default k3, TRL's and DeepSeekMath's) of KL(policy || reference) in the
+loss (0 loads no reference). ``rlhf.loss_aggregation`` says how token losses become one number
+(``losses.aggregate``); the policy and the KL term share it, as in TRL and verl. No critic and no reward
+model: that is the memory GRPO saves over PPO. Metrics are named as verl names them (README, "Alignment").
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from canntrain_core.models.lifecycle import build_training_model
+from canntrain_core.models.lifecycle import build_frozen_model
 from canntrain_core.rlhf.losses import aggregate, clipped_policy_loss, group_advantages, kl_penalty, masked_mean
 from canntrain_core.rlhf.online import OnlineTrainer
 from canntrain_core.rlhf.rollout import token_logprobs
@@ -27,8 +28,7 @@ class GRPOTrainer(OnlineTrainer):
         built = super().build_model(config, fill)
         self.policy, self.reference = built.model, None
         if self.recipe.rlhf.kl_coeff > 0:  # frozen, always the init_from weights
-            self.reference = build_training_model(self.recipe, config, self.acc.device, self.mesh, self.dims).model
-            self.reference.requires_grad_(False).eval()
+            self.reference = build_frozen_model(self.recipe, config, self.acc.device, self.mesh, self.dims)
         return built
 
     def models(self) -> dict:
@@ -36,7 +36,8 @@ class GRPOTrainer(OnlineTrainer):
 
     def fit(self, stop_after: int | None = None):
         r, h = self.recipe, self.recipe.rlhf
-        G, T = h.group_size, h.temperature
+        G, T, estimator = h.group_size, h.temperature, h.kl_estimator or "k3"
+        agg = {"aggregation": h.loss_aggregation, "max_tokens": h.generate_max_length}
         it, bar = iter(self.data.sampler), self.progress_bar()
         if self.step == 0:
             self._write({"step": 0, **self.evaluate()})
@@ -50,7 +51,7 @@ class GRPOTrainer(OnlineTrainer):
             adv = group_advantages(scores, G, h.scale_rewards).to(self.acc.device)
             ids, mask = ro.ids.to(self.acc.device), ro.mask.to(self.acc.device)
             with torch.no_grad(), self.compute():
-                old = token_logprobs(self.model, ids, T)
+                old, ent = token_logprobs(self.model, ids, T, with_entropy=True)
                 ref = token_logprobs(self.reference, ids, T) if self.reference is not None else None
             t2 = time.perf_counter()
             stats: dict[str, list[float]] = {}
@@ -58,28 +59,43 @@ class GRPOTrainer(OnlineTrainer):
             for _ in range(h.ppo_epochs):
                 for mb in torch.randperm(len(ids)).split(h.mini_batch_size):
                     m = mask[mb]
+                    tokens = self.step_tokens(m) if h.loss_aggregation == "dapo" else None
                     with self.compute():
-                        logp, ent = token_logprobs(self.model, ids[mb], T, with_entropy=True)
+                        logp = token_logprobs(self.model, ids[mb], T)
                     a = adv[mb][:, None].expand_as(logp)
                     pg, clip_frac = clipped_policy_loss(logp, old[mb], a, m, h.clip_range, h.clip_range_high,
-                                                        h.loss_aggregation)
+                                                        tokens=tokens, **agg)
                     kl = torch.zeros((), device=logp.device)
                     if ref is not None:
-                        kl = aggregate(kl_penalty(logp, ref[mb], "k3"), m, h.loss_aggregation, h.generate_max_length)
-                    (pg + h.kl_coeff * kl).backward()
-                    for k, v in (("grad_norm", self.optimizer_step()), ("policy_loss", pg), ("kl", kl),
-                                 ("clip_fraction", clip_frac), ("approx_kl", masked_mean(old[mb] - logp.detach(), m)),
-                                 ("entropy", masked_mean(ent.detach(), m))):
+                        kl = aggregate(kl_penalty(logp, ref[mb], estimator), m, h.loss_aggregation,
+                                       h.generate_max_length, tokens)
+                    self.scaler.scale(pg + h.kl_coeff * kl).backward()
+                    ppo_kl = masked_mean(old[mb] - logp.detach(), m)
+                    for k, v in (("actor/grad_norm", self.optimizer_step()), ("actor/pg_loss", pg),
+                                 ("actor/pg_clipfrac", clip_frac), ("actor/ppo_kl", ppo_kl),
+                                 *((("actor/kl_loss", kl),) if ref is not None else ())):
                         stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else v)
             t3 = time.perf_counter()
             gen_tokens = float(mask.sum())
-            record = {"score_mean": float(scores.mean()), "score_std": float(scores.std()),
-                      "response_length": gen_tokens / len(ids), "lr": lr,
+            lengths = mask.sum(-1)
+            record = {"true_score/mean": float(scores.mean()),
+                      "critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
+                      "critic/score/min": float(scores.min()),
+                      "response_length/mean": gen_tokens / len(ids),
+                      "response_length/clip_ratio": float((lengths == h.generate_max_length).float().mean()),
+                      "actor/entropy": float(aggregate(ent, mask, "bnpo" if h.loss_aggregation == "dapo"
+                                                       else h.loss_aggregation, h.generate_max_length)),
+                      "lr": lr, **({"actor/kl_coef": h.kl_coeff} if ref is not None else {}),
                       **{k: sum(v) / len(v) for k, v in stats.items()},
-                      "time_generation": t1 - t0, "time_scoring": t2 - t1, "time_update": t3 - t2,
-                      "generation_tokens_per_second": gen_tokens / (t1 - t0),
-                      "train_tokens_per_second": h.ppo_epochs * ids.numel() / (t3 - t2)}
+                      "timing_s/gen": t1 - t0, "timing_s/score": t2 - t1, "timing_s/update": t3 - t2,
+                      "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
+                      "perf/train_tokens_per_second": h.ppo_epochs * ids.numel() / (t3 - t2)}
             if self.finish_iteration(record, stop_after, bar):
                 break
         bar.close()
         return self.result()
+
+    def step_tokens(self, mask: torch.Tensor) -> float:
+        """``dapo``'s normaliser: the generated tokens of this optimizer step's mini-batch summed over the
+        data-parallel ranks, divided by their number (TRL's ``num_items_in_batch / num_processes``)."""
+        return self._sum_over_dp(mask.sum(), everywhere=True) / self.dims.dp

@@ -22,13 +22,9 @@ class OnlineTrainer(Trainer):
     policy: torch.nn.Module  # the model that generates (set by the stage's build_model)
 
     def build_data(self, config):
-        from canntrain_core.data import pretrained_tokenizer
-        from canntrain_core.finetune.data import chat_template_of
-
         r = self.recipe
         return build_prompt_data(r.data, r.experiment.seed, r.rlhf.generate_max_length, *self.dp,
-                                 chat_template=chat_template_of(r.model.init_from),
-                                 **pretrained_tokenizer(r.model.init_from, config))
+                                 **self.tokenizer_args(config))
 
     def next_prompts(self, it) -> list[tuple[list[int], str]]:
         picked = [self.data.train[next(it)] for _ in range(self.recipe.data.batch_size)]
@@ -53,7 +49,9 @@ class OnlineTrainer(Trainer):
     @torch.no_grad()
     def evaluate(self, batches=None) -> dict[str, float]:
         """Greedy answers to the held-out prompts (``logging.eval_exact_match`` of them, default 32):
-        mean true score and exact match."""
+        mean true score and exact match; none when ``data.val_fraction`` is 0."""
+        if not self.data.val:
+            return {}
         with self.compute():
             return heldout_scores(self.policy, self.data, self.recipe.logging.eval_exact_match or 32,
                                   self.recipe.rlhf.generate_max_length)
@@ -65,8 +63,11 @@ class OnlineTrainer(Trainer):
         return [(self.data.decode(p), self.data.answer_text(r), ref) for (p, ref), r in zip(prompts, ro.responses)]
 
     def optimizer_step(self) -> float:
+        """Clip and step as the training loop does (the gradients were scaled by ``self.scaler`` under fp16)."""
+        self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.optim.grad_clip, self.pp_group)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
@@ -76,12 +77,13 @@ class OnlineTrainer(Trainer):
 
     def finish_iteration(self, record: dict, stop_after: int | None, bar: tqdm) -> bool:
         """Schedule, log, evaluate, checkpoint; True when the run should stop here. Every rank holds the
-        same ``record`` up to its own rollout: scalar metrics are averaged over data-parallel ranks."""
+        same ``record`` up to its own rollout: scalar metrics are averaged over data-parallel ranks (``*/max``
+        and ``*/min`` are the extremes over them)."""
         r = self.recipe
         self.scheduler.step()
         self.step += 1
         bar.update(1)
-        bar.set_postfix(score=f"{record['score_mean']:.3f}")
+        bar.set_postfix(score=f"{record['true_score/mean']:.3f}")
         last = self.step == r.optim.max_steps
         if self.step % r.logging.eval_interval == 0 or last:
             record.update(self.evaluate())
@@ -94,10 +96,18 @@ class OnlineTrainer(Trainer):
     def _averaged(self, record: dict) -> dict:
         if self.dims.dp == 1:
             return record
-        keys = sorted(k for k in record if not k.startswith(("val_", "time_", "lr", "kl_coeff")))
-        values = torch.tensor([float(record[k]) for k in keys], device=self.acc.device)
+        keys = sorted(k for k in record if not k.startswith(("val_", "timing_s/", "lr", "actor/reward_kl_penalty_coeff",
+                                                            "actor/kl_coef")))
+        means = [k for k in keys if not k.endswith(("/max", "/min"))]
+        sign = {k: -1.0 if k.endswith("/min") else 1.0 for k in keys if k not in means}  # min = -max(-x)
+        values = torch.tensor([float(record[k]) for k in means], device=self.acc.device)
         torch.distributed.all_reduce(values)
-        return {**record, **{k: v / torch.distributed.get_world_size() for k, v in zip(keys, values.tolist())}}
+        out = {**record, **{k: v / torch.distributed.get_world_size() for k, v in zip(means, values.tolist())}}
+        if sign:
+            extremes = torch.tensor([sign[k] * float(record[k]) for k in sign], device=self.acc.device)
+            torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+            out.update({k: sign[k] * v for k, v in zip(sign, extremes.tolist())})
+        return out
 
 
 @torch.no_grad()

@@ -4,9 +4,11 @@ Both run the pretraining loop (``Trainer.fit``) on rows holding a pair; only the
 
 - ``train_mode: reward``: a scalar head on the Llama backbone (the fine-tuned model, ``model.init_from``)
   scores the last token of each answer; loss -log sigmoid(r_chosen - r_rejected); the held-out pair
-  accuracy is the share of pairs it orders right;
+  accuracy ``val_accuracy`` (TRL's RewardTrainer ``eval_accuracy``) is the share of pairs it orders right;
 - ``train_mode: dpo``: no reward model: the policy's and a frozen reference's log-probabilities of each
-  answer give DPO's sigmoid loss (``rlhf.beta``, ``rlhf.label_smoothing``).
+  answer give DPO's sigmoid loss (``rlhf.beta``, ``rlhf.label_smoothing``); ``val_rewards/accuracies``
+  (TRL's DPOTrainer ``eval_rewards/accuracies``) is the share of held-out pairs whose implicit reward
+  margin is positive.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from canntrain_core.data.cache import DataError
 from canntrain_core.data.sampler import ResumableSampler
-from canntrain_core.models.lifecycle import build_training_model
+from canntrain_core.models.lifecycle import build_frozen_model, build_training_model
 from canntrain_core.rlhf.data import encode_answer, read_pairs
 from canntrain_core.rlhf.frozen import sequence_scores
 from canntrain_core.rlhf.losses import dpo_loss, pairwise_reward_loss
@@ -56,7 +58,9 @@ class PairBundle:
         self.sampler = ResumableSampler(len(self.train), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
         self.info = {"source": str(cfg.source), "pairs": len(pairs), "train_pairs": len(self.train),
                      "val_pairs": len(self.val), "bad_records": len(bad), "bad_record_examples": bad[:10], "tokenizer_source": "given",
-                     "tokenizer_path": str(tokenizer.path)}
+                     "tokenizer_path": str(tokenizer.path),
+                     "chat_template": fmt.source if chat_template is not None else "data.template"}
+        self.format = fmt
 
     def train_loader(self):
         from torch.utils.data import DataLoader
@@ -74,25 +78,24 @@ class PairBundle:
 
 
 class PairTrainer(Trainer):
+    accuracy_key = "val_accuracy"  # the held-out share of pairs ordered right, by TRL's name for the stage
     def build_data(self, config):
-        from canntrain_core.data import pretrained_tokenizer
-        from canntrain_core.finetune.data import chat_template_of
-
         r = self.recipe
-        return PairBundle(r.data, r.experiment.seed, *self.dp, chat_template=chat_template_of(r.model.init_from),
-                          **pretrained_tokenizer(r.model.init_from, config))
+        return PairBundle(r.data, r.experiment.seed, *self.dp, **self.tokenizer_args(config))
 
     def train_step(self, micro_batches: list) -> torch.Tensor:
         total = torch.zeros((), device=self.acc.device)
         for b in micro_batches:
             with self.acc.autocast(self.recipe.model.precision):
                 loss, _ = self.pair_loss(b)
-            (loss / len(micro_batches)).backward()
+            self.scaler.scale(loss / len(micro_batches)).backward()  # the loop unscales (fp16) before clipping
             total += loss.detach() / len(micro_batches)
         return total
 
     @torch.no_grad()
     def evaluate(self, batches: list) -> dict[str, float]:
+        if not batches:  # data.val_fraction 0
+            return {}
         self.model.eval()
         losses, right = [], []
         for b in batches:
@@ -101,7 +104,7 @@ class PairTrainer(Trainer):
             losses.append(loss)
             right.append(correct)
         val_loss = self._mean_over_ranks(torch.stack(losses).mean())
-        return {"val_loss": val_loss, "val_pair_accuracy": self._mean_over_ranks(torch.stack(right).mean())}
+        return {"val_loss": val_loss, self.accuracy_key: self._mean_over_ranks(torch.stack(right).mean())}
 
     def pair_loss(self, b) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -121,13 +124,13 @@ class RewardTrainer(PairTrainer):
 
 
 class DPOTrainer(PairTrainer):
+    accuracy_key = "val_rewards/accuracies"
     def models(self) -> dict:
         return {"policy": self.model, "reference": self.reference}
 
     def build_model(self, config, fill: bool):
         built = super().build_model(config, fill)
-        self.reference = build_training_model(self.recipe, config, self.acc.device, self.mesh, self.dims).model
-        self.reference.requires_grad_(False).eval()
+        self.reference = build_frozen_model(self.recipe, config, self.acc.device, self.mesh, self.dims)
         return built
 
     def pair_loss(self, b):

@@ -7,13 +7,20 @@ Each iteration (one ``step``):
 2. experience: the actor's and the reference's log-probabilities of the sampled tokens, the critic's
    values, and the score (the reward model's, ``rlhf.reward_model``, else the programmatic one), minus
    ``rlhf.missing_eos_penalty`` for a response that never ended; per-token rewards are
-   -kl_coeff x (log pi - log ref) with the score added on the last token; GAE gives advantages
-   (``gamma``, ``lam``), whitened over the rollout's tokens (``whiten_advantages``) and returns;
+   -kl_coeff x the ``rlhf.kl_estimator`` estimate of KL(actor || reference) (default k1,
+   log pi - log ref: TRL's and verl's) with the score added on the last token; GAE gives advantages
+   (``gamma``, ``lam``), whitened over the rollout's tokens with the unbiased variance
+   (``whiten_advantages``, TRL's and verl's ``masked_whiten``) and returns;
 3. update: ``rlhf.ppo_epochs`` passes over shuffled mini-batches of ``rlhf.mini_batch_size``
    responses; loss = clipped policy loss + value_coeff x clipped value loss, one optimizer over
    actor and critic (as TRL's PolicyAndValueWrapper), gradients clipped together;
 4. with ``rlhf.target_kl`` the KL coefficient adapts (Ziegler et al.'s proportional controller, TRL's
-   horizon of 10,000 responses).
+   horizon of 10,000 responses), on the KL summed over each response and averaged over responses (the
+   legacy TRL controller's ``mean_kl``; verl's controller reads the per-token mean instead).
+
+Metrics are named as verl names them (README, "Alignment"); the iteration's KL to the reference is
+``actor/reward_kl_penalty`` (each response's mean over its tokens, averaged over responses), the
+coefficient that weighed it ``actor/reward_kl_penalty_coeff``.
 
 Where the reference and the reward model run is ``rlhf.device_placement`` (``rlhf.frozen``).
 """
@@ -27,7 +34,9 @@ from torch import nn
 
 from canntrain_core.models.lifecycle import BuiltModel, build_training_model
 from canntrain_core.rlhf.frozen import FrozenModels, RemoteFrozenModels, reward_checkpoint, serve
-from canntrain_core.rlhf.losses import clipped_policy_loss, clipped_value_loss, gae, masked_mean, masked_whiten
+from canntrain_core.rlhf.losses import (
+    clipped_policy_loss, clipped_value_loss, gae, kl_penalty, masked_mean, masked_whiten,
+)
 from canntrain_core.rlhf.online import OnlineTrainer
 from canntrain_core.rlhf.rollout import token_logprobs, token_values
 
@@ -98,12 +107,12 @@ class PPOTrainer(OnlineTrainer):
                 t2 = time.perf_counter()
                 record.update(self.update(exp))
                 t3 = time.perf_counter()
-                self.adapt_kl(record["kl"])
+                self.adapt_kl(exp["kl_sum"])
                 gen_tokens, ids = float(exp["mask"].sum()), exp["ids"]
-                record.update({"lr": lr, "kl_coeff": self.kl_coeff, "response_length": gen_tokens / len(ids),
-                               "time_generation": t1 - t0, "time_scoring": t2 - t1, "time_update": t3 - t2,
-                               "generation_tokens_per_second": gen_tokens / (t1 - t0),
-                               "train_tokens_per_second": r.rlhf.ppo_epochs * ids.numel() / (t3 - t2)})
+                record.update({"lr": lr, "response_length/mean": gen_tokens / len(ids),
+                               "timing_s/gen": t1 - t0, "timing_s/score": t2 - t1, "timing_s/update": t3 - t2,
+                               "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
+                               "perf/train_tokens_per_second": r.rlhf.ppo_epochs * ids.numel() / (t3 - t2)})
                 if self.finish_iteration(record, stop_after, bar):
                     break
         finally:
@@ -117,22 +126,29 @@ class PPOTrainer(OnlineTrainer):
         h, dev = self.recipe.rlhf, self.acc.device
         ids, mask = ro.ids.to(dev), ro.mask.to(dev)
         with self.compute():
-            old = token_logprobs(self.policy, ids, h.temperature)
+            old, ent = token_logprobs(self.policy, ids, h.temperature, with_entropy=True)
             values = token_values(self.critic, ids) * mask
             ref, learned = self.frozen(ids, mask)
         true = self.true_scores(ro, prompts).to(dev)
         score = (learned if learned is not None else true) - h.missing_eos_penalty * (~ro.ended).float().to(dev)
-        kl = (old - ref) * mask if ref is not None else torch.zeros_like(old)  # k1, per token
+        kl = kl_penalty(old, ref, h.kl_estimator or "k1") * mask if ref is not None else torch.zeros_like(old)
         rewards = -self.kl_coeff * kl
         rewards[torch.arange(len(ids)), ro.last.to(dev)] += score
         adv, returns = gae(rewards, values, mask, h.gamma, h.lam)
         if h.whiten_advantages:
             adv = masked_whiten(adv, mask)
-        record = {"score_mean": float(true.mean()), "score_std": float(true.std()),
-                  "reward_mean": float(score.mean()), "reward_std": float(score.std()),
-                  "kl": float(kl.sum(-1).mean()), "non_score_reward": float(rewards.sum(-1).mean() - score.mean()),
-                  "ended_fraction": float(ro.ended.float().mean())}
-        return {"ids": ids, "mask": mask, "old": old, "values": values, "adv": adv, "returns": returns}, record
+        lengths, seq_rewards = mask.sum(-1), rewards.sum(-1)
+        record = {"true_score/mean": float(true.mean()),
+                  "critic/score/mean": float(score.mean()), "critic/score/max": float(score.max()),
+                  "critic/score/min": float(score.min()),
+                  "critic/rewards/mean": float(seq_rewards.mean()), "critic/rewards/max": float(seq_rewards.max()),
+                  "critic/rewards/min": float(seq_rewards.min()),
+                  "actor/reward_kl_penalty": float(masked_mean(kl, mask, dim=-1).mean()),
+                  "actor/reward_kl_penalty_coeff": self.kl_coeff,
+                  "actor/entropy": float(masked_mean(ent, mask)),
+                  "response_length/clip_ratio": float((lengths == h.generate_max_length).float().mean())}
+        return {"ids": ids, "mask": mask, "old": old, "values": values, "adv": adv, "returns": returns,
+                "kl_sum": float(kl.sum(-1).mean())}, record
 
     def update(self, e: dict) -> dict:
         """``ppo_epochs`` passes over mini-batches; the mean of each statistic over them."""
@@ -142,15 +158,15 @@ class PPOTrainer(OnlineTrainer):
             for mb in torch.randperm(len(e["ids"])).split(h.mini_batch_size):
                 m, old = e["mask"][mb], e["old"][mb]
                 with self.compute():
-                    logp, ent = token_logprobs(self.policy, e["ids"][mb], h.temperature, with_entropy=True)
+                    logp = token_logprobs(self.policy, e["ids"][mb], h.temperature)
                     values = token_values(self.critic, e["ids"][mb])
                 pg, clip_frac = clipped_policy_loss(logp, old, e["adv"][mb], m, h.clip_range, aggregation="token")
-                vf = clipped_value_loss(values, e["values"][mb], e["returns"][mb], m, h.value_clip_range)
-                (pg + h.value_coeff * vf).backward()
-                v_clipped = ((values - e["values"][mb]).abs() > h.value_clip_range).float()
-                for k, v in (("grad_norm", self.optimizer_step()), ("policy_loss", pg), ("value_loss", vf),
-                             ("clip_fraction", clip_frac), ("value_clip_fraction", masked_mean(v_clipped, m)),
-                             ("approx_kl", masked_mean(old - logp.detach(), m)), ("entropy", masked_mean(ent.detach(), m))):
+                vf, vf_clip_frac = clipped_value_loss(values, e["values"][mb], e["returns"][mb], m, h.value_clip_range)
+                self.scaler.scale(pg + h.value_coeff * vf).backward()
+                ppo_kl = masked_mean(old - logp.detach(), m)
+                for k, v in (("actor/grad_norm", self.optimizer_step()), ("actor/pg_loss", pg), ("critic/vf_loss", vf),
+                             ("actor/pg_clipfrac", clip_frac), ("critic/vf_clipfrac", vf_clip_frac),
+                             ("actor/ppo_kl", ppo_kl)):
                     stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else v)
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
@@ -159,7 +175,7 @@ class PPOTrainer(OnlineTrainer):
         h = self.recipe.rlhf
         if h.target_kl is None or self.kl_coeff == 0:
             return
-        kl = self._averaged({"kl": kl})["kl"]  # every data-parallel rank keeps the same coefficient
+        kl = self._averaged({"kl_sum": kl})["kl_sum"]  # every data-parallel rank keeps the same coefficient
         error = max(-0.2, min(0.2, kl / h.target_kl - 1))
         self.kl_coeff *= 1 + error * self.recipe.data.batch_size * self.dims.dp / KL_HORIZON
 

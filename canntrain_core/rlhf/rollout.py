@@ -44,8 +44,12 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new: int, pad_id: int, temperature: float = 1.0,
-             top_k: int = 0) -> list[list[int]]:
+             top_k: int = 0, stop_ids: tuple[int, ...] = ()) -> list[list[int]]:
     """``max_new`` new tokens for each prompt (``temperature`` 0: greedy), decoded with a KV cache.
+
+    ``stop_ids``: end tokens; once every row has generated one, decoding stops (rows may then be shorter
+    than ``max_new``). For one process only (``canntrain generate``): the ranks of a job must make the same
+    forward passes, so rollouts leave it empty and always run ``max_new`` steps.
 
     The prompts are left-padded; a padded position is masked out of every query's keys and the
     positions count only real tokens, so each row computes what it would alone (to float rounding).
@@ -66,10 +70,14 @@ def generate(model, prompts: list[list[int]], max_new: int, pad_id: int, tempera
     cache = DynamicCache(config=model.config)
     logits = model(ids, position_ids=positions, attention_mask=mask[:, None], cache=cache)[:, -1].float()
     out = []
+    stop = torch.tensor(list(stop_ids), device=device) if stop_ids else None
+    ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for step in range(max_new):
         nxt = _pick(logits, temperature, top_k)
         out.append(nxt)
-        if step == max_new - 1:
+        if stop is not None:
+            ended |= torch.isin(nxt[:, 0], stop)
+        if step == max_new - 1 or (stop is not None and bool(ended.all())):
             break
         real = torch.cat([real, torch.ones_like(nxt, dtype=torch.bool)], dim=1)
         positions = positions[:, -1:] + 1

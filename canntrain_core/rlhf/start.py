@@ -4,14 +4,15 @@
 verifiable sort/uppercase task, exports the result as a Hugging Face directory and writes the data the
 alignment stages read: prompts (sort only: the part of the task the fine-tuned model half knows, so a
 policy has something to improve) and preference pairs ranked by the programmatic scorer. It is cached in
-``workdir/start-<settings>``, so the second notebook (or a re-run) reuses it in a second.
+``workdir/start-<settings>``, so the second notebook (or a re-run) reuses it in a second; ``canntrain start``
+copies it to where the tiny recipes look.
 
 The SFT is deliberately short (100 steps): the model has learned the answer format and half the task,
 which leaves a clear margin for reinforcement learning to show; ``sft.ipynb`` trains it to the end.
 
 Both caches (the start, and :func:`trained` runs) are keyed by :func:`code_version` too: what a cache holds
 was made by the code now installed, or it is not used. ``tests/test_rlhf.py`` trains in the notebooks'
-``runs/rlhf`` with their recipes, so CI runs each of these trainings once.
+workdir (``$CANNTRAIN_RUNS/rlhf`` under the test suite) with their recipes, so CI runs each training once.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "cookbook" / "llama" / "configs"
-WORKDIR = ROOT / "cookbook" / "llama" / "runs" / "rlhf"  # the alignment notebooks' workdir
 
 
 def code_version() -> str:

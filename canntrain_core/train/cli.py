@@ -45,7 +45,7 @@ def _draw_loss(run_dir) -> None:
     try:
         from canntrain_core.viz.plots import plot_alignment, plot_loss
 
-        if (run_dir / "metrics.jsonl").is_file() and '"score_mean"' in (run_dir / "metrics.jsonl").read_text():
+        if (run_dir / "metrics.jsonl").is_file() and '"true_score/mean"' in (run_dir / "metrics.jsonl").read_text():
             plot_alignment(run_dir, run_dir / "plots" / "alignment.png")  # GRPO, PPO: score, reward, KL
         else:
             plot_loss([run_dir], run_dir / "plots" / "loss.png")

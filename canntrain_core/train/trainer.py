@@ -20,11 +20,15 @@ from tqdm.auto import tqdm
 
 from canntrain_core import checkpoint
 from canntrain_core.checkpoint.drift import check_resume
+from canntrain_core.checkpoint.export import BASE_FINGERPRINT, check_base
 from canntrain_core.data import build_data, pretrained_tokenizer
-from canntrain_core.finetune.data import build_sft_data, chat_template_of
+from canntrain_core.data.tokenizer import tokenizer_files
+from canntrain_core.finetune.data import build_sft_data
 from canntrain_core.finetune.evaluate import exact_match
 from canntrain_core.finetune.lora import trainable_summary
 from canntrain_core.errors import BadInput, OutOfMemory
+from canntrain_core.models.fused import check_kernels_fit
+from canntrain_core.models.hf import base_fingerprint
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.parallel.clip import clip_grad_norm
@@ -86,9 +90,19 @@ def make_trainer(recipe: Recipe, **kwargs) -> "Trainer":
     return Trainer(recipe, **kwargs)
 
 
+RUNS_ENV = "CANNTRAIN_RUNS"
+
+
+def runs_root(default: str | Path = "runs") -> Path:
+    """Where runs go that are given no directory: ``$CANNTRAIN_RUNS`` when set (the test suite points it at
+    a temporary directory, so nothing trains into the checkout), else ``default``."""
+    return Path(os.environ.get(RUNS_ENV) or default)
+
+
 def default_run_dir(recipe: Recipe) -> Path:
-    """{output_dir}/{name}-{timestamp}: a fresh directory per run unless one is given."""
-    return Path(recipe.experiment.output_dir) / f"{recipe.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """{output_dir}/{name}-{timestamp} (``output_dir``: ``$CANNTRAIN_RUNS`` when set): a fresh directory per
+    run unless one is given."""
+    return runs_root(recipe.experiment.output_dir) / f"{recipe.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class Trainer:
@@ -111,6 +125,7 @@ class Trainer:
         m, d = r.model, r.distributed
         self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
         check_layout(r, config, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
+        check_kernels_fit(config, m)
         init_distributed(self.acc, d, self.extra_ranks(r))
         self.rank = rank()
         self.dims = ParallelDims.from_recipe(d)
@@ -155,7 +170,8 @@ class Trainer:
             given = self.data.info["tokenizer_source"] == "given"
             print(f"model: {built.source} (the architecture from its config.json); tokenizer: "
                   + ("its tokenizer.json (data.tokenizer settings do not apply)" if given else
-                     f"none there, trained on the corpus with the model's vocab_size {config.vocab_size}"))
+                     f"none there, trained on the corpus with the model's vocab_size {config.vocab_size}")
+                  + (f"; chat template: {self.data.info['chat_template']}" if "chat_template" in self.data.info else ""))
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.has_loss = self.dims.pp == 1 or self.mesh.get_local_rank("pp") == self.dims.pp - 1
         self.optimizer = build_optimizer(self.model, r.optim)
@@ -198,11 +214,20 @@ class Trainer:
 
     def build_data(self, config):
         """The data bundle of this stage (pretraining text, instruction rows; rlhf/ stages override)."""
-        r, m = self.recipe, self.recipe.model
+        r = self.recipe
         build = build_sft_data if r.train_mode == "sft" else build_data
-        extra = {"chat_template": chat_template_of(m.init_from)} if r.train_mode == "sft" else {}
         return build(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1],
-                     **pretrained_tokenizer(m.init_from, config), **extra)
+                     **self.tokenizer_args(config))
+
+    def tokenizer_args(self, config) -> dict:
+        """``model.init_from``'s tokenizer, the model's vocabulary size and, for a stage that formats
+        conversations (all but pretrain), the chat template ``data.chat_template`` picks: every stage's
+        data builder takes its tokenizer from here (``data.tokenizer.pretrained_tokenizer``)."""
+        r = self.recipe
+        chat = r.data.chat_template if r.train_mode != "pretrain" else None
+        args = pretrained_tokenizer(r.model.init_from, config, chat)
+        self._given_tokenizer = args.get("tokenizer")  # its special tokens go into every checkpoint
+        return args
 
     def build_model(self, config, fill: bool):
         """The model this stage trains (a CausalLM; rlhf/ stages add the ones they only run)."""
@@ -369,7 +394,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, batches: list) -> dict[str, float]:
         """Validation loss (for instruction data: the mean over trained tokens); with
-        ``logging.eval_exact_match``, the share of held-out answers generated exactly."""
+        ``logging.eval_exact_match``, the share of held-out answers generated exactly. No batches
+        (``data.val_fraction: 0``): nothing to evaluate, nothing logged."""
+        if not batches:
+            return {}
         self.model.eval()
         sums, counts = [], []
         for batch in batches:
@@ -411,9 +439,35 @@ class Trainer:
         return checkpoint.save_checkpoint(
             self.ckpt_root, self.step, self.model, self.optimizer, state,
             {"recipe.resolved.yaml": self.recipe.to_yaml(), "config.json": self.model_config.to_json_string(),
-             "tokenizer.json": self.data.tokenizer.to_str()},
+             "tokenizer.json": self.data.tokenizer.to_str(), **self.tokenizer_metadata(), **self._base_files()},
             keep_last=self.recipe.logging.keep_last, trainable_only=self.recipe.lora.enabled,
         )
+
+    def tokenizer_metadata(self) -> dict[str, str]:
+        """What each checkpoint carries beside tokenizer.json, for ``canntrain export`` and ``canntrain
+        generate``: tokenizer_config.json (special tokens: the source tokenizer's, or the trained one's EOS),
+        the chat template conversations were formatted with (the tokenizer's, or data.template as Jinja;
+        none for pretraining) and model.init_from's generation_config.json, when it has one."""
+        if getattr(self, "_tokenizer_metadata", None) is None:
+            fmt = getattr(self.data, "format", None)  # stages that format conversations
+            given = getattr(self, "_given_tokenizer", None)
+            files = tokenizer_files(self.data.tokenizer, self.data.eos_id, given.hf if given is not None else None,
+                                    fmt.chat_template() if fmt is not None else None,
+                                    self.model_config.max_position_embeddings)
+            source = Path(self.recipe.model.init_from or "") / "generation_config.json"
+            if self.recipe.model.init_from and source.is_file():
+                files["generation_config.json"] = source.read_text(encoding="utf-8")
+            self._tokenizer_metadata = files
+        return self._tokenizer_metadata
+
+    def _base_files(self) -> dict[str, str]:
+        """A LoRA checkpoint holds adapters only: it names the base they adapt by its fingerprint, which
+        ``--merge`` and a resume check against what is at ``model.init_from`` then."""
+        if not self.recipe.lora.enabled:
+            return {}
+        if getattr(self, "_base_fingerprint", None) is None:
+            self._base_fingerprint = json.dumps(base_fingerprint(self.recipe.model.init_from), indent=1)
+        return {BASE_FINGERPRINT: self._base_fingerprint}
 
     def _load(self, path: Path) -> None:
         state = checkpoint.load_checkpoint(path, self.model, self.optimizer, verify=False,  # verified above
@@ -446,6 +500,8 @@ class Trainer:
         else:
             path = Path(resume_from)
             checkpoint.verify_checkpoint(path)  # a bad explicit path is an error, not a silent fresh start
+        if path is not None and self.recipe.lora.enabled:
+            check_base(path, self.recipe.model.init_from, "resume")
         if path is not None:  # refuses a recipe the checkpoint cannot load, before anything is touched
             for line in check_resume(str(path), checkpoint.checkpoint_recipe(path), self.recipe,
                                      checkpoint.checkpoint_config(path), self.model_config.to_dict()):
@@ -468,6 +524,6 @@ class Trainer:
             loss=losses[-1] if losses else None,
             val_loss=vals[-1] if vals else None,
             checkpoints=checkpoint.list_checkpoints(self.ckpt_root),
-            score=next((r["score_mean"] for r in reversed(rows) if "score_mean" in r), None),
+            score=next((r["true_score/mean"] for r in reversed(rows) if "true_score/mean" in r), None),
             val_score=next((r["val_score"] for r in reversed(rows) if "val_score" in r), None),
         )

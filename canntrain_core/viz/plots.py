@@ -43,18 +43,23 @@ def plot_loss(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
     return out
 
 
-def curves_figure(run_dirs: list[str | Path], keys: list[str], labels: list[str] | None = None,
-                  titles: dict[str, str] | None = None):
+def curves_figure(run_dirs: list[str | Path], keys: list, labels: list[str] | None = None,
+                  titles: dict | None = None):
     """One panel per metric in ``keys`` (against step), one line per run; a run without a metric is left out
-    of its panel. For alignment runs: ``score_mean`` (the true score), ``reward_mean``, ``kl``, ``val_score``."""
+    of its panel. A key may be a tuple of keys: each run plots the first of them it logged (GRPO's
+    ``actor/kl_loss`` and PPO's ``actor/reward_kl_penalty`` in one panel). For alignment runs (verl's names,
+    README "Alignment"): ``true_score/mean`` (the checker's score), ``critic/score/mean`` (the score the
+    policy is trained on), ``actor/kl_loss`` or ``actor/reward_kl_penalty``, ``val_score``."""
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for i, run_dir in enumerate(run_dirs):
-            points = [(r["step"], r[key]) for r in read_metrics(run_dir) if key in r]
+            rows = read_metrics(run_dir)
+            found = next((k for k in (key if isinstance(key, tuple) else (key,)) if any(k in r for r in rows)), None)
+            points = [(r["step"], r[found]) for r in rows if found in r]
             if points:
                 ax.plot(*zip(*points), "o-" if len(points) < 6 else "-", ms=4,
                         label=labels[i] if labels else Path(run_dir).name)
-        ax.set_title((titles or {}).get(key, key))
+        ax.set_title((titles or {}).get(key, " or ".join(key) if isinstance(key, tuple) else key))
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
     axes[0][0].legend()
@@ -62,11 +67,16 @@ def curves_figure(run_dirs: list[str | Path], keys: list[str], labels: list[str]
     return fig
 
 
+KL_KEYS = ("actor/kl_loss", "actor/reward_kl_penalty")  # GRPO's KL in the loss, PPO's KL in the reward
+
+
 def plot_alignment(run_dir: str | Path, out: str | Path) -> Path:
-    """An online alignment run's true score, reward (when it differs: a reward model) and KL, into ``out``."""
+    """An online alignment run's true score, the score it was trained on (when it differs: a reward model,
+    a missing-end penalty), its KL to the reference (when it has one) and the held-out score, into ``out``."""
     rows = read_metrics(run_dir)
-    keys = ["score_mean"] + (["reward_mean"] if any(r.get("reward_mean") != r.get("score_mean") for r in rows
-                                                    if "reward_mean" in r) else []) + ["kl", "val_score"]
+    trained_on = any(r.get("critic/score/mean") != r.get("true_score/mean") for r in rows if "critic/score/mean" in r)
+    kl = [k for k in KL_KEYS if any(k in r for r in rows)]
+    keys = ["true_score/mean"] + ["critic/score/mean"] * trained_on + kl[:1] + ["val_score"]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig = curves_figure([run_dir], keys)

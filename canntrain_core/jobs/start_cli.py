@@ -1,0 +1,38 @@
+"""`canntrain start [DIR]`: what the tiny fine-tuning and alignment recipes start from, in DIR (default runs).
+
+The shipped tiny recipes read ``runs/tiny_pretrained_hf`` (SFT, LoRA), ``runs/tiny_sft_hf`` (reward
+model, DPO, GRPO, PPO) and the task data ``runs/tasks.jsonl``, ``runs/prompts.jsonl``, ``runs/pairs.jsonl``.
+This makes all five with :func:`canntrain_core.rlhf.start.tiny_start` (60 pretraining steps on the standard
+library, 100 SFT steps on the verifiable tasks: about a minute on two CPU cores) and copies them into
+place. What already exists there is kept, never overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("start", help="make the tiny recipes' starting models and data (runs/tiny_*_hf, runs/*.jsonl)")
+    p.add_argument("directory", nargs="?", default="runs", help="where the recipes look for them (default: runs)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from canntrain_core.rlhf.start import tiny_start
+
+    out = Path(args.directory)
+    start = tiny_start(out / ".start")
+    made = {"tiny_pretrained_hf": start.sft_run.parent / "pretrained_hf", "tiny_sft_hf": start.sft_hf,
+            "tasks.jsonl": start.sft_run.parent / "tasks.jsonl", "prompts.jsonl": start.prompts,
+            "pairs.jsonl": start.pairs}
+    for name, source in made.items():
+        target = out / name
+        if target.exists():
+            print(f"{target}: exists, kept")
+            continue
+        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, target)
+        print(f"{target}: written")
+    return 0
