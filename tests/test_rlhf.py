@@ -148,3 +148,26 @@ def test_dpo_moves_the_held_out_margins(start, tmp_path, data_cache):
     first, last = (r for r in read_metrics(tmp_path / "dpo") if "val_rewards/accuracies" in r)
     assert first["val_rewards/accuracies"] == 0.0 and first["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert last["val_rewards/accuracies"] >= 0.65 and last["val_loss"] < math.log(2) - 0.05, last
+
+
+def test_canntrain_start_makes_what_the_tiny_recipes_read(start, tmp_path, data_cache):
+    """`canntrain start` puts the cached start where the shipped recipes look (cwd/runs): tiny_sft.yaml and
+    tiny_grpo.yaml then train as they are; a second call keeps what is there."""
+    import subprocess
+    import sys
+
+    def canntrain(*args):
+        return subprocess.run([sys.executable, "-m", "canntrain_core.cli", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+
+    made = canntrain("start", "--cache", str(WORKDIR))  # the start the fixture made: nothing retrains
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert {p.name for p in (tmp_path / "runs").iterdir()} >= {
+        "tiny_pretrained_hf", "tiny_sft_hf", "tasks.jsonl", "prompts.jsonl", "pairs.jsonl"}
+    for recipe in ("tiny_sft.yaml", "tiny_grpo.yaml"):
+        run = canntrain("train", str(CONFIGS / recipe), "--no-progress", "--run-dir", f"runs/{recipe}",
+                        "--set", "optim.max_steps=1", "--set", "logging.eval_exact_match=8",
+                        "--set", f"data.cache_dir={data_cache}")
+        assert run.returncode == 0, run.stderr[-2000:]
+    again = canntrain("start", "--cache", str(WORKDIR))
+    assert again.returncode == 0 and again.stdout.count("exists, kept") == 5

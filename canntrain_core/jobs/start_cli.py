@@ -17,6 +17,7 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("start", help="make the tiny recipes' starting models and data (runs/tiny_*_hf, runs/*.jsonl)")
     p.add_argument("directory", nargs="?", default="runs", help="where the recipes look for them (default: runs)")
+    p.add_argument("--cache", default=None, help="where the start is trained and cached (default: DIRECTORY/.start)")
     p.set_defaults(func=run)
 
 
@@ -24,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from canntrain_core.rlhf.start import tiny_start
 
     out = Path(args.directory)
-    start = tiny_start(out / ".start")
+    start = tiny_start(args.cache or out / ".start")
     made = {"tiny_pretrained_hf": start.sft_run.parent / "pretrained_hf", "tiny_sft_hf": start.sft_hf,
             "tasks.jsonl": start.sft_run.parent / "tasks.jsonl", "prompts.jsonl": start.prompts,
             "pairs.jsonl": start.pairs}
