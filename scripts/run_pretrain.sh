@@ -73,12 +73,16 @@ nproc="${nproc:-$count}"
 (( nproc >= 1 )) || die "no device found on this node and --nproc_per_node not given"
 
 # ---- rendezvous ----------------------------------------------------------------------------
-if (( nnodes == 1 )); then
-  master_addr="${master_addr:-127.0.0.1}"
-  # A free loopback port, so that two single-node runs on one machine do not collide.
-  master_port="${master_port:-$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+if (( nnodes == 1 )) && [[ -z "$master_port" ]]; then
+  # torchrun --standalone: its store binds a free local port itself, so two single-node runs on one
+  # machine never collide (probing a free port and handing it over raced with other launches under load).
+  rendezvous=(--standalone)
+  where="a free local port"
 else
+  master_addr="${master_addr:-127.0.0.1}"
   master_port="${master_port:-29500}"  # torchrun's default; every node must use the same one
+  rendezvous=(--nnodes "$nnodes" --node_rank "${node_rank:-0}" --master_addr "$master_addr" --master_port "$master_port")
+  where="$master_addr:$master_port"
 fi
 
 # ---- Ascend NPU environment ----------------------------------------------------------------
@@ -121,11 +125,10 @@ target=(-m canntrain_core.cli)
 
 export PYTHONUNBUFFERED=1
 log="$(mktemp "${TMPDIR:-/tmp}/run_pretrain.XXXXXX.log")"
-echo "run_pretrain.sh: $device, node $node_rank of $nnodes, $nproc process(es) per node, master $master_addr:$master_port"
+echo "run_pretrain.sh: $device, node ${node_rank:-0} of $nnodes, $nproc process(es) per node, master $where"
 # --tee 3 prefixes every worker line with [default<local_rank>]: so a failure can be attributed.
 set +e
-"$python" -m torch.distributed.run --nnodes "$nnodes" --node_rank "$node_rank" \
-  --master_addr "$master_addr" --master_port "$master_port" --nproc_per_node "$nproc" --tee 3 \
+"$python" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$nproc" --tee 3 \
   "${target[@]}" "${args[@]}" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e

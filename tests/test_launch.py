@@ -258,7 +258,7 @@ def test_npu_launch_exports_rank_table_and_hccl_env(tmp_path):
     assert seen["HCCL_CONNECT_TIMEOUT"] == "1200" and seen["HCCL_EXEC_TIMEOUT"] == "600"
     assert seen["HCCL_WHITELIST_DISABLE"] == "1" and seen["ASCEND_GLOBAL_LOG_LEVEL"] == "3"
     assert seen["PYTORCH_NPU_ALLOC_CONF"] == "max_split_size_mb:512"
-    assert seen["MASTER_ADDR"] == "127.0.0.1" and seen["WORLD_SIZE"] == "1"
+    assert seen["MASTER_ADDR"] == "localhost" and seen["WORLD_SIZE"] == "1"  # torchrun --standalone
     assert seen["argv"] == ["train", str(TINY), "--set", "optim.lr=1e-3"]
 
     r = _script("--config", str(TINY), "--nproc_per_node", "2", "--rank_table", str(rt), env=env, timeout=60)
