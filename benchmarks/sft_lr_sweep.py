@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Which fine-tuning learning rate holds on the tiny task: the seeds' "10x the pretraining lr" or "about 1e-5"?
+"""Which fine-tuning learning rate holds on the tiny task: the cann-recipes-train articles' "10x the pretraining lr" or "about 1e-5"?
 
     .venv/bin/python benchmarks/sft_lr_sweep.py [--steps 300] [--lrs 1e-5,3e-4,3e-3,3e-2]
 

@@ -142,7 +142,7 @@ class OptimConfig(_Section):
     # Passes over the training data; when set, the trainer computes max_steps from it (and says so).
     epochs: float | None = Field(None, gt=0)
     grad_clip: float | None = Field(1.0, gt=0)
-    # Keep AdamW states (and fp32 master weights) in host memory: the seeds' "swap optimizer".
+    # Keep AdamW states (and fp32 master weights) in host memory: the cann-recipes-train articles' "swap optimizer".
     offload_optimizer: bool = False
 
     @field_validator("betas")

@@ -107,9 +107,9 @@ if [[ "$device" == "npu" ]]; then
   export HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:=1800}"
   # 1 = no HCCL communication whitelist check (CANN's default; a whitelist needs HCCL_WHITELIST_FILE).
   export HCCL_WHITELIST_DISABLE="${HCCL_WHITELIST_DISABLE:=1}"
-  # CANN log level: 0 debug, 1 info, 2 warning, 3 error (the seeds' choice: errors only).
+  # CANN log level: 0 debug, 1 info, 2 warning, 3 error (the cann-recipes-train articles' choice: errors only).
   export ASCEND_GLOBAL_LOG_LEVEL="${ASCEND_GLOBAL_LOG_LEVEL:=3}"
-  # torch_npu caching allocator: do not split blocks above 512 MB, less fragmentation (seeds).
+  # torch_npu caching allocator: do not split blocks above 512 MB, less fragmentation (the cann-recipes-train articles).
   export PYTORCH_NPU_ALLOC_CONF="${PYTORCH_NPU_ALLOC_CONF:=max_split_size_mb:512}"
   # HCCL_IF_IP / HCCL_SOCKET_IFNAME (host NIC for HCCL's socket setup) are left to the cluster.
 elif [[ "${rank_table}" != "" && "${RANK_TABLE_FILE:-}" != "$rank_table" ]]; then

@@ -239,7 +239,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
     rank_file = path / f"trainer_state_rank{rank()}.pt"
     if not rank_file.is_file():
-        rank_file = path / "trainer_state_rank0.pt"  # fewer ranks wrote it; later issues reshard
+        rank_file = path / "trainer_state_rank0.pt"  # fewer ranks wrote it: rank 0's step, sampler and RNG states
     # Our own file, verified against the manifest above; it holds numpy RNG state, so not weights_only.
     return torch.load(rank_file, weights_only=False)
 

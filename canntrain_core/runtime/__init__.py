@@ -1,4 +1,4 @@
-"""Runtime: accelerator selection and (in later issues) process groups and device meshes."""
+"""Runtime: accelerator selection, process groups and device meshes, rank tables."""
 
 from canntrain_core.runtime.accelerator import Accelerator, get_accelerator, npu_available, seed_everything
 
