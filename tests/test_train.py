@@ -272,3 +272,11 @@ def test_val_fraction_0_trains_without_evaluation(tmp_path, fast_recipe):
     assert result.step == 6 and result.val_loss is None
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))
     assert not any("val_loss" in r for r in rows)
+
+
+def test_the_trainer_does_not_change_the_callers_recipe(tmp_path, fast_recipe):
+    recipe = fast_recipe(**{"optim.epochs": 0.01, "optim.max_steps": 1000})
+    before = recipe.to_yaml()
+    trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
+    assert trainer.recipe.optim.max_steps != 1000  # the epochs' steps, in the trainer's own copy
+    assert recipe.to_yaml() == before

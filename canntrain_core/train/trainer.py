@@ -120,7 +120,7 @@ class Trainer:
         accelerator: Accelerator | None = None,
         progress: bool = True,
     ):
-        self.recipe = r = recipe
+        self.recipe = r = recipe.model_copy(deep=True)  # the caller's recipe is not changed (optim.epochs sets max_steps)
         self.acc = accelerator or get_accelerator()
         m, d = r.model, r.distributed
         self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
