@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.canntrain-installed
 RUN_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast lab clean
+.PHONY: setup run lint test test-fast lab clean
 
 setup: $(STAMP)
 
@@ -24,15 +24,20 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/canntrain run cookbook/00_quickstart.ipynb --run-dir $(RUN_DIR)
 
-test: $(STAMP)
+# The layer contracts (pyproject.toml [tool.importlinter]) and ruff first: they take seconds.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP) lint
 	$(PY) -m pytest tests cookbook --nbmake --nbmake-timeout=900 $(PYTEST_ARGS)
 
 # The edit loop: unit and single-process tests, no notebooks, no multi-process launches (a few minutes).
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab cookbook
 
 clean:
-	rm -rf runs cookbook/runs cookbook/llama/runs .cache .pytest_cache build *.egg-info
+	rm -rf runs cookbook/runs cookbook/llama/runs .cache .pytest_cache .import_linter_cache .ruff_cache build *.egg-info

@@ -7,7 +7,7 @@ Every layout trains the tiny recipe (global batch 8 x 128 tokens, fp32 unless na
 launch. Traffic is *measured* as bytes sent over the loopback interface (/proc/net/dev, `lo`: gloo
 talks TCP there), taking the difference between a run of --steps and one of --steps/3 so set-up,
 evaluation and checkpoint traffic cancel; it includes TCP/IP headers (a few %). The *estimate* is
-canntrain_core.parallel.comm.comm_per_step. Not a test: numbers vary by machine.
+canntrain_core.sizing.comm.comm_per_step. Not a test: numbers vary by machine.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> None:
     import torch
 
     from canntrain_core.models import build_config
-    from canntrain_core.parallel.comm import comm_per_step
+    from canntrain_core.sizing.comm import comm_per_step
     from canntrain_core.recipe import load_recipe
     from canntrain_core.runtime.distributed import ParallelDims
     from canntrain_core.train.metrics import read_metrics

@@ -22,7 +22,7 @@ from conftest import FAST, TINY  # noqa: E402
 
 from canntrain_core.checkpoint.export import export_hf  # noqa: E402
 from canntrain_core.finetune.data import write_jsonl  # noqa: E402
-from canntrain_core.finetune.sweep import format_sweep, lr_sweep  # noqa: E402
+from canntrain_core.jobs.sweep import format_sweep, lr_sweep  # noqa: E402
 from canntrain_core.finetune.tasks import task_records  # noqa: E402
 from canntrain_core.recipe import load_recipe  # noqa: E402
 from canntrain_core.train.trainer import Trainer  # noqa: E402

@@ -1,5 +1,5 @@
-"""The `canntrain` command line. Each subcommand lives next to the code it drives and
-registers itself through a `register(subparsers)` function in one of COMMAND_MODULES.
+"""The `canntrain` command line. Each subcommand registers itself through a `register(subparsers)`
+function in one of COMMAND_MODULES (most in jobs/, the top layer, which may import every stage).
 
 Expected failures (:class:`canntrain_core.errors.CanntrainError`) end as one message on stderr,
 ``canntrain <command>: ...``, and the exit code of their kind (2 bad input, 3 out of memory,
@@ -19,9 +19,9 @@ import time
 from canntrain_core.errors import CanntrainError
 
 COMMAND_MODULES = [
-    "canntrain_core.train.cli",  # train
+    "canntrain_core.jobs.train_cli",  # train
     "canntrain_core.checkpoint.cli",  # export
-    "canntrain_core.finetune.cli",  # tasks
+    "canntrain_core.jobs.tasks_cli",  # tasks
     "canntrain_core.jobs.cli",  # run (notebooks headless)
     "canntrain_core.memory.cli",
     "canntrain_kernels.cli",

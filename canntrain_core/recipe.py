@@ -52,7 +52,7 @@ class ModelConfig(_Section):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v: str) -> str:
-        from canntrain_core.models.registry import PRESETS
+        from canntrain_core.sizing.presets import PRESETS
 
         if v not in PRESETS:
             raise ValueError(f"unknown preset {v!r}; known: {', '.join(sorted(PRESETS))}")
@@ -187,14 +187,14 @@ class DistributedConfig(_Section):
     allow_cross_node_tp: bool = False
     # Micro-batches per pipeline step; None means grad_accum_steps (each accumulation step is one).
     num_microbatches: int | None = Field(None, gt=0)
-    # The device the recipe is sized for (a preset of canntrain_core/memory/devices.py, e.g. 910b):
+    # The device the recipe is sized for (a preset of canntrain_core/sizing/devices.py, e.g. 910b):
     # `canntrain estimate` checks against its memory, and the shipped recipes are tested to fit it.
     target_device: str | None = None
 
     @field_validator("target_device")
     @classmethod
     def _known_device(cls, v: str | None) -> str | None:
-        from canntrain_core.memory.devices import DEVICES
+        from canntrain_core.sizing.devices import DEVICES
 
         if v is not None and v.lower() not in DEVICES:
             raise ValueError(f"unknown device {v!r}; presets: {', '.join(DEVICES)}")
@@ -270,7 +270,7 @@ class RLHFConfig(_Section):
     loss_aggregation: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
     # advantages divided by the std of the group's scores (GRPO), of the batch's, or not at all (Dr. GRPO)
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    # grpo, ppo: the per-token KL(policy || reference) estimate (rlhf.losses.kl_penalty); None: the stage's
+    # grpo, ppo: the per-token KL(policy || reference) estimate (losses.kl_penalty); None: the stage's
     # peers' default, k3 in GRPO's loss (TRL), k1 in PPO's reward (TRL, verl); low_var_kl: verl's clamped k3
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] | None = None
     # dpo
@@ -331,7 +331,7 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _layout(self) -> "Recipe":
-        from canntrain_core.parallel.layout import Layout, layout_problems
+        from canntrain_core.sizing.layout import Layout, layout_problems
 
         problems = layout_problems(Layout.from_recipe(self))  # what needs no model; the trainer checks the rest
         if problems:

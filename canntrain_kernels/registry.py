@@ -14,6 +14,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from canntrain_kernels.device import device_type
+
 OPS = ("rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy")
 BACKENDS = ("npu", "cuda", "compile", "eager")
 CHOICES = ("auto",) + BACKENDS
@@ -78,10 +80,8 @@ def _load() -> None:
 
 
 def current_device() -> str:
-    """The device type kernels run on by default: npu > cuda > cpu (see canntrain_core.runtime)."""
-    from canntrain_core.runtime.accelerator import get_accelerator
-
-    return get_accelerator().type
+    """The device type kernels run on by default: npu > cuda > cpu, or $CANNTRAIN_DEVICE (:mod:`.device`)."""
+    return device_type()
 
 
 def _check_op(op: str) -> None:

@@ -175,7 +175,7 @@ def test_a_fresh_tied_run_exports_what_it_trained(tmp_path, fast_recipe):
 
 def test_tied_embeddings_under_pipeline_parallel_are_refused(fast_recipe):
     from canntrain_core.errors import RecipeError
-    from canntrain_core.parallel.layout import check_layout
+    from canntrain_core.sizing.layout import check_layout
 
     recipe = fast_recipe(**{"model.overrides.tie_word_embeddings": True, "distributed.world_size": 2,
                             "distributed.pipeline_parallel_size": 2, "optim.grad_accum_steps": 2})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from canntrain_core.memory import GB, GiB, LoraSetup, TrainSetup, estimate, parse_bytes, shape_from_preset
-from canntrain_core.memory.activations import layer_activations
-from canntrain_core.memory.shapes import ModelShape
+from canntrain_core.sizing.activations import layer_activations
+from canntrain_core.sizing.shapes import ModelShape
 
 N_7B = 6_738_415_616  # llama2-7b parameters, counted from the shapes
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from canntrain_core.cli import main
-from canntrain_core.memory import GiB, TrainSetup, get_device, oom_hint, shape_from_preset
-from canntrain_core.memory.plan import search, suggest_when_nothing_fits
+from canntrain_core.memory import GiB, TrainSetup, get_device, oom_hint, shape_from_preset, shape_from_recipe
 from canntrain_core.recipe import load_recipe
+from canntrain_core.sizing.plan import search, suggest_when_nothing_fits
 
 CAP = 64 * GiB
 
@@ -70,7 +70,8 @@ def test_oom_hint_names_a_change_that_fits():
     recipe = load_recipe(None, {"model.preset": "llama2-7b", "model.precision": "bf16", "data.batch_size": 8,
                                 "data.seq_length": 4096, "distributed.world_size": 8,
                                 "distributed.data_parallel_size": 8, "distributed.zero_optimization": 3})
-    hint = oom_hint(recipe, 64 * GiB)
+    hint = oom_hint(recipe, 64 * GiB, shape_from_recipe(recipe))
     assert "against 64.00 GiB" in hint
     assert "try: --set model.activation_checkpointing=" in hint
-    assert "no single change" in oom_hint(load_recipe(None, {"model.preset": "llama2-70b"}), 8 * GiB)
+    big = load_recipe(None, {"model.preset": "llama2-70b"})
+    assert "no single change" in oom_hint(big, 8 * GiB, shape_from_recipe(big))

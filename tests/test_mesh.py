@@ -5,8 +5,8 @@ import pytest
 from canntrain_core.memory.measure import fake_world
 from canntrain_core.models import build_config
 from canntrain_core.recipe import RecipeError, load_recipe
-from canntrain_core.parallel.layout import check_layout
 from canntrain_core.runtime.distributed import ParallelDims, rank_coordinates
+from canntrain_core.sizing.layout import check_layout
 
 
 def test_rank_coordinates_match_init_device_mesh():

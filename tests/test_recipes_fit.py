@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from canntrain_core.memory import estimate, get_device
+from canntrain_core.memory import estimate, get_device, setup_from_recipe, shape_from_recipe
 from canntrain_core.memory.alignment import estimate_alignment
-from canntrain_core.memory.plan import search, step_time
-from canntrain_core.memory.setup import setup_from_recipe, shape_from_recipe
-from canntrain_core.parallel.layout import Layout, check_layout, layout_problems
 from canntrain_core.recipe import load_recipe
+from canntrain_core.sizing.layout import Layout, check_layout, layout_problems
+from canntrain_core.sizing.plan import search, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETED = [p for p in sorted(ROOT.glob("cookbook/*/configs/*.yaml"))

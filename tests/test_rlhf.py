@@ -16,11 +16,12 @@ from canntrain_core.jobs.layouts import launch_layouts, run_layouts
 from canntrain_core.models.generate import greedy
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
+from canntrain_core.models.rollout import generate, layout, token_logprobs
 from canntrain_core.recipe import load_recipe
-from canntrain_core.rlhf.rollout import generate, layout, token_logprobs
 from canntrain_core.rlhf.start import CONFIGS, tiny_start, trained
+from canntrain_core.stages import make_trainer
 from canntrain_core.train.metrics import read_metrics
-from canntrain_core.train.trainer import make_trainer, runs_root
+from canntrain_core.train.trainer import runs_root
 from conftest import TINY
 
 WORKDIR = runs_root() / "rlhf"  # the alignment notebooks' workdir under the suite's $CANNTRAIN_RUNS

@@ -1,4 +1,4 @@
-"""The alignment arithmetic (canntrain_core/rlhf/losses.py) against values computed by hand, and against
+"""The alignment arithmetic (canntrain_core/losses.py) against values computed by hand, and against
 TRL's and verl's formulas re-derived here in plain torch on the same fixed batch.
 
 The references below are written out from the peers' code, not imported (neither is a dependency):
@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from canntrain_core.rlhf.losses import (
+from canntrain_core.losses import (
     aggregate, clipped_policy_loss, clipped_value_loss, dpo_loss, gae, group_advantages, kl_penalty, masked_mean,
     masked_var, masked_whiten, pairwise_reward_loss,
 )
@@ -53,7 +53,7 @@ def _batch() -> dict:
 
 
 def _canntrain(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rlhf.rollout.layout: row i is prompt + response, right-padded; target t predicts token t + 1."""
+    """models.rollout.layout: row i is prompt + response, right-padded; target t predicts token t + 1."""
     width = max(p + r for p, r in zip(PROMPTS, RESPONSES)) - 1
     out, mask, at = torch.zeros(len(PROMPTS), width), torch.zeros(len(PROMPTS), width), 0
     for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):

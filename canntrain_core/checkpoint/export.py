@@ -213,7 +213,7 @@ def _write_adapter(ckpt: Path, stored: dict, recipe: dict, out: Path, dtype: tor
     """peft's format: adapter_config.json (peft's own writer) + adapter_model.safetensors."""
     from safetensors.torch import save_file
 
-    from canntrain_core.finetune.lora import peft_config, peft_key
+    from canntrain_core.models.lora import peft_config, peft_key
     from canntrain_core.recipe import LoraSettings
 
     base = str(Path(recipe["model"]["init_from"]).resolve())

@@ -16,12 +16,12 @@ def exact_match(model, examples: list[tuple[list[int], str]], decode, eos_id: in
                 cached: bool = True, multiple_of: int = 1) -> tuple[float, list[tuple[str, str]]]:
     """Share of ``examples`` (prompt ids, expected answer) answered exactly; and (answer, expected) pairs.
 
-    ``cached``: batches of left-padded prompts decoded with a KV cache (``rlhf.rollout.sample``), which
+    ``cached``: batches of left-padded prompts decoded with a KV cache (``models.rollout.sample``), which
     a 7B model needs; False re-runs each whole sequence per token, one prompt at a time (``greedy``, the
     sequence right-padded to a ``multiple_of`` the TP degree): the path for sequence parallelism, which
     cannot split a one-token decode step over its ranks.
     """
-    from canntrain_core.rlhf.rollout import sample
+    from canntrain_core.models.rollout import sample
 
     prompts = [p for p, _ in examples]
     if cached:  # sample(): eval mode, each response cut after its first end token

@@ -2,7 +2,7 @@
 or a Hugging Face directory (a ``canntrain export``, or any Llama transformers' ``save_pretrained`` wrote).
 
 The model runs as training runs it (``models.lm.CausalLM``) and decodes with the rollouts' KV-cached loop
-(``rlhf.rollout.generate``), stopping once every answer has ended (the tokenizer's EOS, or any end token
+(``models.rollout.generate``), stopping once every answer has ended (the tokenizer's EOS, or any end token
 of the model's generation_config.json). Its tokenizer and chat template come through the same path the
 data builders take (``data.tokenizer.pretrained_tokenizer``): ``chat=True`` encodes the prompt exactly as
 training encoded a sample's prompt (``finetune.format.ChatFormat.prompt``), generation prompt included.
@@ -69,7 +69,7 @@ class Generator:
                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, seed: int = 0
                  ) -> list[Completion]:
         """One completion per prompt (all decoded in one left-padded batch); ``temperature`` 0: greedy."""
-        from canntrain_core.rlhf.rollout import generate
+        from canntrain_core.models.rollout import generate
 
         if isinstance(prompts, str):
             prompts = [prompts]

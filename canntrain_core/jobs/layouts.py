@@ -35,7 +35,7 @@ def run_layouts(recipe_path: str, out: str | Path, base: dict, layouts: list[str
     import torch.distributed as dist
 
     from canntrain_core.recipe import load_recipe
-    from canntrain_core.train.trainer import make_trainer
+    from canntrain_core.stages import make_trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for spec in layouts:

@@ -1,7 +1,7 @@
 """Memory of an alignment run: which models are resident where, and the peak per rank.
 
 PPO holds four models: the actor and the critic train (parameters, gradients, AdamW states, activations:
-:func:`~canntrain_core.memory.estimator.estimate` of each, the critic with a one-row head), the reference
+:func:`~canntrain_core.sizing.estimator.estimate` of each, the critic with a one-row head), the reference
 and the reward model only run forward (parameters, and the logits of scoring a rollout). GRPO holds the
 actor and, when ``rlhf.kl_coeff`` > 0, the reference; DPO the policy and the reference; the reward model
 stage one scalar-head model. A rank's peak is the largest of three phases:
@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from canntrain_core.memory.estimator import GiB, estimate
-from canntrain_core.memory.setup import setup_from_recipe, shape_from_recipe
+from canntrain_core.memory.recipe_shape import shape_from_recipe
+from canntrain_core.sizing.estimator import GiB, estimate
+from canntrain_core.sizing.setup import setup_from_recipe
 
 _HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 

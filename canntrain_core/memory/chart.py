@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from canntrain_core.memory.estimator import CATEGORIES, GiB, MemoryEstimate, estimate
-from canntrain_core.memory.setup import TrainSetup
-from canntrain_core.memory.shapes import ModelShape
+from canntrain_core.sizing.estimator import CATEGORIES, GiB, MemoryEstimate, estimate
+from canntrain_core.sizing.setup import TrainSetup
+from canntrain_core.sizing.shapes import ModelShape
 
 COLORS = dict(zip(CATEGORIES, ["#4c72b0", "#55a868", "#c44e52", "#e9a3a3", "#8172b2", "#b3a6dd", "#ccb974",
                                "#64b5cd", "#bbbbbb"]))

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from canntrain_core.memory.devices import DEVICES, get_device, parse_bytes
+from canntrain_core.sizing.devices import DEVICES, get_device, parse_bytes
 
 
 def register(subparsers) -> None:
@@ -38,12 +38,12 @@ def register(subparsers) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from canntrain_core.memory.estimator import estimate
+    from canntrain_core.memory.recipe_shape import shape_from_recipe
     from canntrain_core.memory.report import compare_table, estimate_table, to_json
-    from canntrain_core.memory.setup import setup_from_recipe, shape_from_recipe
     from canntrain_core.recipe import load_recipe
-
-    from canntrain_core.parallel.layout import check_layout
+    from canntrain_core.sizing.estimator import estimate
+    from canntrain_core.sizing.layout import check_layout
+    from canntrain_core.sizing.setup import setup_from_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     shape, setup = shape_from_recipe(recipe), setup_from_recipe(recipe)
@@ -80,7 +80,7 @@ def _estimate_alignment(recipe, cap, args) -> int:
     from dataclasses import asdict
 
     from canntrain_core.memory.alignment import estimate_alignment
-    from canntrain_core.memory.estimator import GiB
+    from canntrain_core.sizing.estimator import GiB
 
     if args.measure:
         print("canntrain estimate: --measure: not for alignment stages (rlhf_ppo.ipynb measures a real run)",
@@ -100,10 +100,10 @@ def _estimate_alignment(recipe, cap, args) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from canntrain_core.memory.estimator import GiB
-    from canntrain_core.memory.plan import guidance_note, search, suggest_when_nothing_fits
-    from canntrain_core.memory.setup import TrainSetup
-    from canntrain_core.memory.shapes import shape_from_preset
+    from canntrain_core.sizing.estimator import GiB
+    from canntrain_core.sizing.plan import guidance_note, search, suggest_when_nothing_fits
+    from canntrain_core.sizing.setup import TrainSetup
+    from canntrain_core.sizing.shapes import shape_from_preset
 
     dev = get_device(args.device)
     cap = parse_bytes(args.device_memory) if args.device_memory else dev.memory_bytes

@@ -27,8 +27,8 @@ from typing import Iterator
 
 import torch
 
-from canntrain_core.memory.setup import TrainSetup
-from canntrain_core.memory.shapes import ModelShape, llama_overrides
+from canntrain_core.sizing.setup import TrainSetup
+from canntrain_core.sizing.shapes import ModelShape, llama_overrides
 
 _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

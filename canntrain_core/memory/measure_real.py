@@ -11,8 +11,8 @@ import contextlib
 
 import torch
 
-from canntrain_core.memory.setup import TrainSetup
-from canntrain_core.memory.shapes import ModelShape, llama_overrides
+from canntrain_core.sizing.setup import TrainSetup
+from canntrain_core.sizing.shapes import ModelShape, llama_overrides
 
 _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from canntrain_core.memory.estimator import CATEGORIES, GiB, MemoryEstimate
 from canntrain_core.memory.measure import Measurement
+from canntrain_core.sizing.estimator import CATEGORIES, GiB, MemoryEstimate
 
 # The tracker sees tensors, not categories of intent: at-peak comparison groups.
 COMPARE_GROUPS: dict[str, tuple[str, ...]] = {

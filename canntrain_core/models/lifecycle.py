@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from canntrain_core.finetune.lora import apply_lora, is_adapter
 from canntrain_core.models.fused import apply_kernels, loss_cross_entropy
 from canntrain_core.models.hf import load_weights
 from canntrain_core.models.init import init_weights, reset_buffers
 from canntrain_core.models.lm import CausalLM
+from canntrain_core.models.lora import apply_lora, is_adapter
 from canntrain_core.parallel import parallelize
 from canntrain_kernels.reference import plain_cross_entropy
 

@@ -41,7 +41,7 @@ class CausalLM(nn.Module):
         targets. Without: logits, or hidden states when this module is a pipeline stage without the
         head. ``position_ids`` / ``segment_ids``: packed instruction rows (positions restart per sample,
         attention stays within a sample). ``attention_mask`` ([B, 1, q, k] bool) with ``cache`` (transformers'
-        ``DynamicCache``): incremental decoding of left-padded prompts (``rlhf.rollout``).
+        ``DynamicCache``): incremental decoding of left-padded prompts (``models.rollout``).
         """
         m = self.model
         # Positions from the input, which always holds the whole sequence (under sequence parallel

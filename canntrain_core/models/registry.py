@@ -1,4 +1,6 @@
-"""Model presets built on transformers' Llama classes. Random init from a seed; nothing downloaded."""
+"""Model presets built on transformers' Llama classes. Random init from a seed; nothing downloaded.
+
+The presets themselves are data in ``canntrain_core/sizing/presets.py``."""
 
 from __future__ import annotations
 
@@ -7,48 +9,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-# Shapes of the public Llama-2 configs (hidden, intermediate, layers, heads, kv heads).
-PRESETS: dict[str, dict[str, Any]] = {
-    # A few million parameters: trains on two CPU cores in seconds.
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        max_position_embeddings=2048,
-    ),
-    "llama2-7b": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    ),
-    "llama2-13b": dict(
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=40,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    ),
-    "llama2-70b": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    ),
-}
-
-_COMMON = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False)
+from canntrain_core.sizing.presets import PRESETS, preset_fields
 
 
 def build_config(preset: str, overrides: dict[str, Any] | None = None, vocab_size: int | None = None) -> LlamaConfig:
@@ -56,15 +17,10 @@ def build_config(preset: str, overrides: dict[str, Any] | None = None, vocab_siz
 
     ``vocab_size`` (the tokenizer's) wins over the preset's, unless overrides set it.
     """
-    if preset not in PRESETS:
-        raise KeyError(f"model.preset: unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
-    fields = {**_COMMON, **PRESETS[preset]}
-    if vocab_size is not None:
-        fields["vocab_size"] = vocab_size
-    for key, value in (overrides or {}).items():
+    fields = preset_fields(preset, overrides, vocab_size)
+    for key in overrides or {}:
         if not hasattr(LlamaConfig(), key):
             raise KeyError(f"model.overrides.{key}: not a LlamaConfig field")
-        fields[key] = value
     config = LlamaConfig(**fields)
     config._attn_implementation = "sdpa"
     return config

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from canntrain_core.rlhf.rollout import token_logprobs
+from canntrain_core.models.rollout import token_logprobs
 
 STOP, SCORE = 0, 1
 

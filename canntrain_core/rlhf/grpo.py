@@ -17,10 +17,10 @@ import time
 
 import torch
 
+from canntrain_core.losses import aggregate, clipped_policy_loss, group_advantages, kl_penalty, masked_mean
 from canntrain_core.models.lifecycle import build_frozen_model
-from canntrain_core.rlhf.losses import aggregate, clipped_policy_loss, group_advantages, kl_penalty, masked_mean
+from canntrain_core.models.rollout import token_logprobs
 from canntrain_core.rlhf.online import OnlineTrainer
-from canntrain_core.rlhf.rollout import token_logprobs
 
 
 class GRPOTrainer(OnlineTrainer):

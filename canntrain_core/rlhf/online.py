@@ -12,9 +12,9 @@ import torch
 from tqdm.auto import tqdm
 
 from canntrain_core.finetune.tasks import partial_score, score
+from canntrain_core.models.rollout import sample
 from canntrain_core.parallel.clip import clip_grad_norm
 from canntrain_core.rlhf.data import build_prompt_data
-from canntrain_core.rlhf.rollout import sample
 from canntrain_core.train.trainer import Trainer
 
 

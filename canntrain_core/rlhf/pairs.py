@@ -17,11 +17,11 @@ import torch
 
 from canntrain_core.data.cache import DataError
 from canntrain_core.data.sampler import ResumableSampler
+from canntrain_core.losses import dpo_loss, pairwise_reward_loss
 from canntrain_core.models.lifecycle import build_frozen_model, build_training_model
+from canntrain_core.models.rollout import layout, token_logprobs
 from canntrain_core.rlhf.data import encode_answer, read_pairs
 from canntrain_core.rlhf.frozen import sequence_scores
-from canntrain_core.rlhf.losses import dpo_loss, pairwise_reward_loss
-from canntrain_core.rlhf.rollout import layout, token_logprobs
 from canntrain_core.train.trainer import Trainer
 
 

@@ -32,13 +32,13 @@ import time
 import torch
 from torch import nn
 
-from canntrain_core.models.lifecycle import BuiltModel, build_training_model
-from canntrain_core.rlhf.frozen import FrozenModels, RemoteFrozenModels, reward_checkpoint, serve
-from canntrain_core.rlhf.losses import (
+from canntrain_core.losses import (
     clipped_policy_loss, clipped_value_loss, gae, kl_penalty, masked_mean, masked_whiten,
 )
+from canntrain_core.models.lifecycle import BuiltModel, build_training_model
+from canntrain_core.models.rollout import token_logprobs, token_values
+from canntrain_core.rlhf.frozen import FrozenModels, RemoteFrozenModels, reward_checkpoint, serve
 from canntrain_core.rlhf.online import OnlineTrainer
-from canntrain_core.rlhf.rollout import token_logprobs, token_values
 
 KL_HORIZON = 10_000
 

@@ -86,7 +86,7 @@ def trained(recipe, workdir: str | Path, name: str):
     (the metrics are that run's; the model, optimizer and data position are its final ones)."""
     import hashlib
 
-    from canntrain_core.train.trainer import make_trainer
+    from canntrain_core.stages import make_trainer
 
     recipe_hash = hashlib.sha256(recipe.to_yaml().encode()).hexdigest()[:10]
     run = Path(workdir).resolve() / f"{name}-{recipe_hash}-{code_version()}"

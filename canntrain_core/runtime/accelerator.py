@@ -2,14 +2,14 @@
 
 Everything device-specific (collective backend, autocast dtype, synchronize, memory stats,
 RNG seeding) goes through :class:`Accelerator`; the rest of canntrain never says ``if npu``.
-Importing this module never imports torch_npu; it is probed on first use and a failure to
-import it (no CANN toolkit) simply means "no NPU".
+Which device that is (npu > cuda > cpu, $CANNTRAIN_DEVICE) is decided once, in
+``canntrain_kernels/device.py``, which the kernel registry reads too. Importing this module never
+imports torch_npu; it is probed on first use and a failure to import it (no CANN toolkit) simply
+means "no NPU".
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
 import random
 import resource
@@ -21,17 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from canntrain_kernels.device import device_type
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@functools.lru_cache(maxsize=1)
-def npu_available() -> bool:
-    """True when torch_npu imports and at least one NPU is visible."""
-    try:
-        importlib.import_module("torch_npu")
-    except Exception:  # ImportError, or CANN libraries missing at load time
-        return False
-    return hasattr(torch, "npu") and torch.npu.is_available() and torch.npu.device_count() > 0
 
 
 @dataclass(frozen=True)
@@ -136,16 +128,5 @@ def get_accelerator(prefer: str | None = None) -> Accelerator:
     ``prefer`` (or $CANNTRAIN_DEVICE) forces one, e.g. "cpu" on a GPU host for a test.
     The device index is LOCAL_RANK under torchrun.
     """
-    prefer = prefer or os.environ.get("CANNTRAIN_DEVICE")
-    index = int(os.environ.get("LOCAL_RANK", "0"))
-    if prefer:
-        if prefer == "npu" and not npu_available():
-            raise RuntimeError("CANNTRAIN_DEVICE=npu but torch_npu or an NPU is not available")
-        if prefer == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("CANNTRAIN_DEVICE=cuda but CUDA is not available")
-        return Accelerator(prefer, index if prefer != "cpu" else 0)
-    if npu_available():
-        return Accelerator("npu", index)
-    if torch.cuda.is_available():
-        return Accelerator("cuda", index)
-    return Accelerator("cpu")
+    kind = device_type(prefer)
+    return Accelerator(kind, int(os.environ.get("LOCAL_RANK", "0")) if kind != "cpu" else 0)

@@ -1,1 +1,2 @@
-"""Training: the loop, optimizer and schedule, loss, metrics."""
+"""The engine: the loop, optimizer and schedule, metrics. It names no stage: canntrain_core/stages.py maps each
+``train_mode`` to its trainer."""

@@ -23,7 +23,7 @@ PEAK_TFLOPS_16BIT = {
 
 def flops_per_token(config, seq_length: int) -> float:
     """Training FLOPs per token of a transformers config: ``ModelShape.flops_per_token`` (the one definition)."""
-    from canntrain_core.memory.shapes import shape_of
+    from canntrain_core.sizing.shapes import shape_of
 
     return shape_of(config).flops_per_token(seq_length)
 

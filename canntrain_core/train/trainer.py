@@ -25,20 +25,21 @@ from canntrain_core.data import build_data, pretrained_tokenizer
 from canntrain_core.data.tokenizer import tokenizer_files
 from canntrain_core.finetune.data import build_sft_data
 from canntrain_core.finetune.evaluate import exact_match
-from canntrain_core.finetune.lora import trainable_summary
 from canntrain_core.errors import BadInput, OutOfMemory
 from canntrain_core.models.fused import check_kernels_fit
 from canntrain_core.models.hf import base_fingerprint
 from canntrain_core.models.lifecycle import build_training_model
+from canntrain_core.models.lora import trainable_summary
 from canntrain_core.models.registry import model_config
 from canntrain_core.parallel.clip import clip_grad_norm
 from canntrain_core.parallel.data_parallel import sync_gradients
-from canntrain_core.parallel.layout import check_layout
 from canntrain_core.recipe import Recipe, save_resolved
 from canntrain_core.runtime import Accelerator, get_accelerator, seed_everything
 from canntrain_core.runtime.distributed import (
     ParallelDims, dp_coordinates, from_rank0, init_distributed, rank,
 )
+from canntrain_core.sizing.layout import check_layout
+from canntrain_core.sizing.oom import oom_hint
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
 
@@ -69,25 +70,6 @@ class RunResult:
         val = f"{self.val_loss:.4f}" if self.val_loss is not None else "n/a"
         loss = f"{self.loss:.4f}" if self.loss is not None else "n/a"
         return f"step {self.step}: train loss {loss}, val loss {val} -> {self.run_dir}"
-
-
-def make_trainer(recipe: Recipe, **kwargs) -> "Trainer":
-    """The trainer of the recipe's stage: this module's for pretrain and sft, rlhf/'s for the others."""
-    if recipe.train_mode == "grpo":
-        from canntrain_core.rlhf.grpo import GRPOTrainer
-
-        return GRPOTrainer(recipe, **kwargs)
-    if recipe.train_mode == "ppo":
-        from canntrain_core.rlhf.ppo import PPOTrainer, ScorerService
-
-        # separated placement: ranks past distributed.world_size hold the reference and reward model
-        scorer = int(os.environ.get("RANK", "0")) >= recipe.distributed.world_size
-        return (ScorerService if scorer else PPOTrainer)(recipe, **kwargs)
-    if recipe.train_mode in ("reward", "dpo"):
-        from canntrain_core.rlhf.pairs import DPOTrainer, RewardTrainer
-
-        return (RewardTrainer if recipe.train_mode == "reward" else DPOTrainer)(recipe, **kwargs)
-    return Trainer(recipe, **kwargs)
 
 
 RUNS_ENV = "CANNTRAIN_RUNS"
@@ -375,12 +357,11 @@ class Trainer:
         return torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.acc.device)
 
     def _out_of_memory(self, error: BaseException) -> OutOfMemory:
-        from canntrain_core.memory import oom_hint
-
         capacity = self.acc.memory_capacity_bytes() or 0
         last = checkpoint.latest_checkpoint(self.ckpt_root)
         where = f"the last checkpoint, {last}, is intact" if last else "no checkpoint was written yet"
-        return OutOfMemory(f"step {self.step + 1}: {error}\n{oom_hint(self.recipe, capacity)}\n{where}")
+        hint = oom_hint(self.recipe, capacity, self.model_config)
+        return OutOfMemory(f"step {self.step + 1}: {error}\n{hint}\n{where}")
 
     def _mean_over_ranks(self, loss: torch.Tensor) -> float:
         """The loss averaged over data-parallel ranks (tp ranks hold copies; only the last pp stage has one)."""

@@ -8,7 +8,10 @@ schema grows them. A :class:`ModelShape` is all the estimator needs: no weights,
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
 from typing import Any, Literal
+
+from canntrain_core.sizing.presets import PRESETS, preset_fields
 
 ModelKind = Literal["llama", "gpt", "moe"]
 
@@ -126,7 +129,7 @@ class ModelShape:
         return self.num_params() - self.num_layers * idle
 
 
-# Shapes beyond the llama presets of models/registry.py (public configs of GPT-3 and Mixtral sizes).
+# Shapes beyond the llama presets of sizing/presets.py (public configs of GPT-3 and Mixtral sizes).
 EXTRA_SHAPES: dict[str, ModelShape] = {
     "gpt3-1.3b": ModelShape("gpt", 2048, 8192, 24, 16, 16, 50257, tie_embeddings=True, max_positions=2048),
     "gpt3-13b": ModelShape("gpt", 5120, 20480, 40, 40, 40, 50257, tie_embeddings=True, max_positions=2048),
@@ -137,7 +140,11 @@ EXTRA_SHAPES: dict[str, ModelShape] = {
 
 
 def shape_from_preset(preset: str, overrides: dict[str, Any] | None = None, vocab_size: int | None = None) -> ModelShape:
-    """A llama preset of models/registry.py (with recipe-style overrides) or one of :data:`EXTRA_SHAPES`."""
+    """A llama preset of sizing/presets.py (with recipe-style overrides) or one of :data:`EXTRA_SHAPES`.
+
+    The llama shape comes from the preset's fields as ``models.registry.build_config`` would set them, without
+    building the transformers config; override keys the shape does not read (``rope_theta``, ...) change nothing
+    here (the model builder checks them against LlamaConfig)."""
     if preset in EXTRA_SHAPES:
         shape = EXTRA_SHAPES[preset]
         if overrides:
@@ -151,18 +158,18 @@ def shape_from_preset(preset: str, overrides: dict[str, Any] | None = None, voca
         if vocab_size is not None and not (overrides and "vocab_size" in overrides):
             shape = replace(shape, vocab_size=vocab_size)
         return shape
-    from canntrain_core.models.registry import build_config
-
     try:
-        cfg = build_config(preset, overrides, vocab_size)
+        fields = preset_fields(preset, overrides, vocab_size)
     except KeyError as e:
-        known = sorted([*__import__("canntrain_core.models.registry", fromlist=["PRESETS"]).PRESETS, *EXTRA_SHAPES])
+        known = sorted([*PRESETS, *EXTRA_SHAPES])
         raise KeyError(f"{e.args[0]} (memory estimator knows: {', '.join(known)})") from None
-    return shape_of(cfg)
+    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])  # as transformers does
+    return shape_of(SimpleNamespace(**fields))
 
 
 def shape_of(config: Any) -> ModelShape:
-    """The ModelShape of a transformers LlamaConfig (a preset's, or an init_from directory's)."""
+    """The ModelShape of a transformers LlamaConfig (a preset's, or an init_from directory's), or of anything
+    with its attributes (read by name: no transformers import here)."""
     return ModelShape(
         "llama",
         config.hidden_size,

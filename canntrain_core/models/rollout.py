@@ -1,4 +1,5 @@
-"""Sampling responses and scoring their tokens: what every online alignment step starts with.
+"""Sampling responses and scoring their tokens: the one KV-cached generation loop. Online alignment's rollouts
+start with it; exact match (``finetune/evaluate.py``) and ``canntrain generate`` decode with it too.
 
 Generation decodes with a KV cache (transformers' ``DynamicCache``): the prompts are left-padded into
 one batch, read once (prefill), then each step feeds only the newest token. It always runs

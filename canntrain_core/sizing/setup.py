@@ -1,6 +1,7 @@
 """How a model is trained, as far as memory is concerned: precision, batch, parallel layout.
 
-:class:`TrainSetup` is built from a recipe (:func:`setup_from_recipe`) or by hand. It holds the few
+:class:`TrainSetup` is built from a recipe (:func:`setup_from_recipe`) or by hand (the model's shape, the other
+half of an estimate, comes from ``memory.recipe_shape.shape_from_recipe`` or ``sizing.shapes``). It holds the few
 knobs the recipe schema does not have yet (sequence parallel, flash attention, LoRA, the optimizer's
 foreach mode), with defaults that match what canntrain's trainer does.
 """
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
-
-from canntrain_core.memory.shapes import ModelShape, shape_from_preset
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_LEVELS: tuple[str, ...] = ("none", "selective", "full")
@@ -108,19 +107,3 @@ def setup_from_recipe(recipe: Any, **extra: Any) -> TrainSetup:
     )
     fields.update(extra)
     return TrainSetup(**fields)
-
-
-def shape_from_recipe(recipe: Any) -> ModelShape:
-    """The ModelShape of a recipe's model section: ``model.init_from``'s config.json when that directory
-    is here, else the preset + overrides with the tokenizer's vocab size (so a recipe for a cluster can
-    be estimated on a laptop: name the preset beside init_from)."""
-    from pathlib import Path
-
-    m = recipe.model
-    if m.init_from and (Path(m.init_from) / "config.json").is_file():
-        from canntrain_core.memory.shapes import shape_of
-        from canntrain_core.models.registry import model_config
-
-        return shape_of(model_config(m))
-    vocab = None if "vocab_size" in m.overrides else recipe.data.tokenizer.vocab_size
-    return shape_from_preset(m.preset, m.overrides, vocab)

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from canntrain_core.memory.activations import layer_activations, recompute_transient
-from canntrain_core.memory.setup import TrainSetup
-from canntrain_core.memory.shapes import ModelShape
+from canntrain_core.sizing.activations import layer_activations, recompute_transient
+from canntrain_core.sizing.setup import TrainSetup
+from canntrain_core.sizing.shapes import ModelShape
 
 GiB = 1024**3
 GB = 1000**3

@@ -1,5 +1,5 @@
 """Parallel-plan search: every tp x pp x dp (x cp, x ep) x ZeRO x recompute x micro-batch layout
-of a device count that the trainer accepts (``parallel/layout.py``), filtered by the memory estimate
+of a device count that the trainer accepts (``sizing/layout.py``), filtered by the memory estimate
 and ranked by a simple step-time model.
 
 Cost model (per optimizer step, seconds; nothing overlaps, so it is a pessimistic, comparable figure):
@@ -7,7 +7,7 @@ Cost model (per optimizer step, seconds; nothing overlaps, so it is a pessimisti
 * compute  = FLOPs / (devices x peak x efficiency), FLOPs = ``ModelShape.flops_per_token`` x tokens
   (the definition MFU uses), x 4/3 for full recompute (one more forward), x 7/6 for selective (half
   the layers);
-* traffic  = ``parallel/comm.py``'s bytes per device per step (the definition the overhead benchmark
+* traffic  = ``sizing/comm.py``'s bytes per device per step (the definition the overhead benchmark
   checks on the wire) over the intra-node link when the group fits in one node, the inter-node link
   otherwise; cp adds a ring pass of k and v per layer and micro-batch;
 * bubble   = (compute + tp/cp) scaled by (pp - 1) / m: the pipeline's idle share with m micro-batches.
@@ -19,11 +19,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from canntrain_core.memory.devices import DeviceSpec
-from canntrain_core.memory.estimator import GiB, MemoryEstimate, estimate
-from canntrain_core.memory.setup import RECOMPUTE_LEVELS, TrainSetup
-from canntrain_core.memory.shapes import ModelShape
-from canntrain_core.parallel.layout import Layout, layout_problems
+from canntrain_core.sizing.comm import comm_per_step
+from canntrain_core.sizing.devices import DeviceSpec
+from canntrain_core.sizing.estimator import GiB, MemoryEstimate, estimate
+from canntrain_core.sizing.layout import Layout, layout_problems
+from canntrain_core.sizing.setup import RECOMPUTE_LEVELS, TrainSetup
+from canntrain_core.sizing.shapes import ModelShape
 
 EFFICIENCY = 0.5  # achieved share of peak FLOP/s in matmuls; a parameter of the cost model
 
@@ -60,9 +61,6 @@ def _divisors(n: int) -> list[int]:
 def step_time(shape: ModelShape, s: TrainSetup, dev: DeviceSpec, devices_per_node: int,
               global_batch: int, efficiency: float = EFFICIENCY) -> dict[str, float]:
     """Seconds per optimizer step by component (see the module docstring)."""
-    from canntrain_core.parallel.comm import comm_per_step
-    from canntrain_core.runtime.distributed import ParallelDims
-
     n_dev = s.world_size
     tokens = global_batch * s.seq_length
     flops = shape.flops_per_token(s.seq_length) * tokens
@@ -73,9 +71,7 @@ def step_time(shape: ModelShape, s: TrainSetup, dev: DeviceSpec, devices_per_nod
     def bw(group_span: int) -> float:
         return dev.intra_node_bw if group_span <= devices_per_node else dev.inter_node_bw
 
-    fsdp = s.zero > 0 and s.dp > 1
-    dims = ParallelDims(pp=s.pp, dp_replicate=1 if fsdp else s.dp, dp_shard=s.dp if fsdp else 1, cp=s.cp, tp=s.tp)
-    rows = comm_per_step(shape, dims, s.micro_batch, s.seq_length // s.cp, m, s.zero, s.precision,
+    rows = comm_per_step(shape, Layout.from_setup(s), s.micro_batch, s.seq_length // s.cp, m, s.zero, s.precision,
                          sequence_parallel=s.sequence_parallel)
     traffic = {k: sum(r["bytes"] for r in rows if r["strategy"] in names)
                for k, names in (("tp", ("TP", "TP+SP")), ("dp", ("DP", "FSDP")), ("pp", ("PP",)))}
@@ -124,7 +120,7 @@ def search(shape: ModelShape, devices: int, dev: DeviceSpec, devices_per_node: i
            memory_bytes: float | None = None, skipped: dict[str, int] | None = None) -> list[Plan]:
     """Every layout the trainer accepts: fitting ones ranked fastest first, then those that do not fit.
 
-    Layouts the validator (``parallel.layout``) refuses are not plans; ``skipped``, when given, counts
+    Layouts the validator (``sizing.layout``) refuses are not plans; ``skipped``, when given, counts
     them by reason.
     """
     base = base or TrainSetup()

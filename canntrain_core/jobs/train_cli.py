@@ -28,7 +28,7 @@ def _train(args: argparse.Namespace) -> int:
     # Expected failures (bad recipe, data, checkpoint, run directory; out of memory) propagate as
     # CanntrainError: canntrain_core.cli prints them as one line and exits with their code.
     from canntrain_core.recipe import load_recipe
-    from canntrain_core.train.trainer import make_trainer
+    from canntrain_core.stages import make_trainer
 
     recipe = load_recipe(args.recipe, args.overrides)
     print(recipe.summary())

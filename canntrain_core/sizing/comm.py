@@ -23,8 +23,9 @@ gradients; DDP reduces fp32 gradients; activations cross TP and PP boundaries in
 
 from __future__ import annotations
 
-from canntrain_core.memory.shapes import ModelShape, shape_of
-from canntrain_core.runtime.distributed import ParallelDims
+from typing import Any
+
+from canntrain_core.sizing.shapes import ModelShape, shape_of
 
 
 def fsdp_syncs_once_per_step(zero_stage: int, pp: int) -> bool:
@@ -32,12 +33,14 @@ def fsdp_syncs_once_per_step(zero_stage: int, pp: int) -> bool:
     return zero_stage == 1 or pp > 1
 
 
-def comm_per_step(model, dims: ParallelDims, batch_size: int, seq_length: int, grad_accum: int,
+def comm_per_step(model, dims: Any, batch_size: int, seq_length: int, grad_accum: int,
                   zero_stage: int, precision: str = "fp32", backend: str = "nccl",
                   sequence_parallel: bool = False) -> list[dict]:
     """Rows of (strategy, collective, calls per step, bytes sent per device per step).
 
-    ``model``: a ModelShape or a transformers config. ``grad_accum``: micro-batches per step.
+    ``model``: a ModelShape or a transformers config. ``dims``: the parallel sizes, anything with ``pp``, ``tp``,
+    ``dp`` and ``dp_shard`` (a sizing.layout.Layout, or a runtime.distributed.ParallelDims).
+    ``grad_accum``: micro-batches per step.
     ``backend="gloo"``: gloo has no reduce-scatter, so it falls back to an all-reduce (twice the bytes).
     """
     shape: ModelShape = model if isinstance(model, ModelShape) else shape_of(model)

@@ -1,15 +1,18 @@
 """What to tell the user when a real run runs out of device memory.
 
 The trainer (canntrain_core/train/) catches the out-of-memory error and calls :func:`oom_hint`
-with the recipe and the device's capacity; the hint shows the estimate next to the capacity and the
-cheapest change that the estimator says would fit.
+with the recipe, the model config it built and the device's capacity; the hint shows the estimate next
+to the capacity and the cheapest change that the estimator says would fit.
 """
 
 from __future__ import annotations
 
-from canntrain_core.memory.estimator import GiB, estimate
-from canntrain_core.memory.setup import TrainSetup, setup_from_recipe, shape_from_recipe
-from canntrain_core.parallel.layout import Layout, layout_problems
+from typing import Any
+
+from canntrain_core.sizing.estimator import GiB, estimate
+from canntrain_core.sizing.layout import Layout, layout_problems
+from canntrain_core.sizing.setup import TrainSetup, setup_from_recipe
+from canntrain_core.sizing.shapes import ModelShape, shape_of
 
 
 def _candidates(s: TrainSetup) -> list[tuple[str, TrainSetup]]:
@@ -36,9 +39,12 @@ def _candidates(s: TrainSetup) -> list[tuple[str, TrainSetup]]:
     return out
 
 
-def oom_hint(recipe, capacity_bytes: float) -> str:
-    """A few lines: estimated peak vs capacity, and the first change (cheapest first) that fits."""
-    shape = shape_from_recipe(recipe)
+def oom_hint(recipe: Any, capacity_bytes: float, model: Any) -> str:
+    """A few lines: estimated peak vs capacity, and the first change (cheapest first) that fits.
+
+    ``model``: the ModelShape, or the transformers config the run built (read by ``shape_of``); a recipe's
+    shape without a built model is ``memory.recipe_shape.shape_from_recipe``."""
+    shape = model if isinstance(model, ModelShape) else shape_of(model)
     setup = setup_from_recipe(recipe)
     est = estimate(shape, setup)
     lines = [f"out of device memory: the estimate for this recipe is {est.total / GiB:.2f} GiB per device "

@@ -39,7 +39,7 @@ class Layout:
 
     @classmethod
     def from_setup(cls, s: Any) -> "Layout":
-        """From a memory.setup.TrainSetup (the estimator's and the planner's description)."""
+        """From a sizing.setup.TrainSetup (the estimator's and the planner's description)."""
         return cls(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, ep=s.ep, zero=s.zero,
                    sequence_parallel=s.tp > 1 and s.sequence_parallel, microbatches=s.microbatches,
                    offload_optimizer=s.offload_optimizer, precision=s.precision)
@@ -49,12 +49,17 @@ class Layout:
         """Data parallel by FSDP2 (zero_optimization 1-3 over more than one rank)."""
         return self.zero > 0 and self.dp > 1
 
+    @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks that shard the model (FSDP2), as runtime.distributed.ParallelDims counts them."""
+        return self.dp if self.zero > 0 else 1
+
 
 def layout_problems(layout: Layout, model: Any = None, devices_per_node: int | None = None,
                     allow_cross_node_tp: bool = False) -> list[str]:
     """Why the trainer cannot run ``layout`` (empty: it can).
 
-    ``model``: a memory.shapes.ModelShape (heads, layers, ...); without it only the model-free rules
+    ``model``: a sizing.shapes.ModelShape (heads, layers, ...); without it only the model-free rules
     apply. ``devices_per_node``: without it, TP's placement is not checked.
     """
     L = layout
@@ -106,7 +111,7 @@ def check_layout(recipe: Any, model: Any = None, devices_per_node: int | None = 
     """Raise a RecipeError listing every problem of the recipe's layout (``model``: a ModelShape or a
     transformers config)."""
     from canntrain_core.errors import RecipeError
-    from canntrain_core.memory.shapes import ModelShape, shape_of
+    from canntrain_core.sizing.shapes import ModelShape, shape_of
 
     if model is not None and not isinstance(model, ModelShape):
         model = shape_of(model)

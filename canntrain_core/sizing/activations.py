@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canntrain_core.memory.setup import TrainSetup
-from canntrain_core.memory.shapes import ModelShape
+from canntrain_core.sizing.setup import TrainSetup
+from canntrain_core.sizing.shapes import ModelShape
 
 
 @dataclass(frozen=True)

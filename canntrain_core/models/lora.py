@@ -1,4 +1,4 @@
-"""LoRA through peft: adapters injected into the (meta) transformers model, the base frozen.
+"""LoRA through peft, a model transform: adapters injected into the (meta) transformers model, the base frozen.
 
 ``lora: {enabled, rank, alpha, dropout, target_modules}`` puts peft's ``lora.Linear`` around each
 target projection (default q/k/v/o). Only ``lora_A``/``lora_B`` train and enter the optimizer;
