@@ -25,7 +25,7 @@ from canntrain_core.recipe import Recipe, load_recipe
 from canntrain_core.rlhf.data import preference_records
 from canntrain_core.rlhf.start import CONFIGS
 from canntrain_core.train.metrics import read_metrics
-from canntrain_core.train.trainer import make_trainer
+from canntrain_core.stages import make_trainer
 
 STEPS = 4
 TIMING = ("timing_s/", "perf/", "tokens_per_second", "tflops", "mfu", "step_time", "peak_memory")

@@ -1,6 +1,6 @@
 """A learning-rate sweep for fine-tuning: the same start, data and steps, one run per (mode, lr).
 
-The seeds disagree: one says raise the fine-tuning learning rate about 10x over pretraining, the
+The cann-recipes-train articles disagree: one says raise the fine-tuning learning rate about 10x over pretraining, the
 other lower it to about 1e-5. :func:`lr_sweep` runs both (and what lies between) on the tiny
 verifiable task and reports held-out loss and exact match, so the answer is measured, not quoted.
 """
