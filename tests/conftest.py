@@ -111,7 +111,7 @@ class SFTRun:
 def sft_run(pretrained, tmp_path_factory, data_cache) -> SFTRun:
     """400 steps of full SFT on sort/uppercase from ``pretrained``, exact match scored before and after."""
     from canntrain_core.checkpoint.export import export_hf
-    from canntrain_core.train.trainer import Trainer
+    from canntrain_core.stages import make_trainer
 
     d = tmp_path_factory.mktemp("sft")
     tasks = task_data(d)
@@ -119,6 +119,6 @@ def sft_run(pretrained, tmp_path_factory, data_cache) -> SFTRun:
                                 "data.cache_dir": data_cache, "optim.max_steps": 400, "optim.lr": 3e-3,
                                 "logging.log_interval": 50, "logging.eval_interval": 400,
                                 "logging.eval_exact_match": 64})
-    trainer = Trainer(recipe, run_dir=d / "run", progress=False)
+    trainer = make_trainer(recipe, run_dir=d / "run", progress=False)
     trainer.fit()
     return SFTRun(d / "run", export_hf(d / "run", d / "hf").out, tasks, trainer)

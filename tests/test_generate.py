@@ -27,7 +27,7 @@ from canntrain_core.data.tokenizer import chat_template_source, pretrained_token
 from canntrain_core.finetune.records import read_conversations
 from canntrain_core.jobs.generate import load_generator
 from canntrain_core.recipe import load_recipe
-from canntrain_core.train.trainer import Trainer
+from canntrain_core.stages import make_trainer
 from conftest import SFT, task_data
 
 TOKENIZER = Path(__file__).parent / "bad_inputs" / "data" / "tiny_hf" / "tokenizer.json"  # 300 byte-level tokens
@@ -90,7 +90,7 @@ def _sft(tmp_path, init_from, data_cache, steps=2, **extra):
                                 "data.cache_dir": data_cache, "data.batch_size": 4, "optim.max_steps": steps,
                                 "optim.warmup_steps": 1,
                                 "logging.eval_interval": steps, **extra})
-    trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
+    trainer = make_trainer(recipe, run_dir=tmp_path / "run", progress=False)
     trainer.fit()
     return trainer
 

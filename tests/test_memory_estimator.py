@@ -123,3 +123,12 @@ def test_fits_and_errors_name_the_bad_value():
         parse_bytes("64 GiBs")
     with pytest.raises(KeyError, match="llama2-7b"):
         shape_from_preset("llama3-8b")
+
+
+def test_the_trainers_mfu_and_the_planner_read_one_device_table():
+    from canntrain_core.sizing.devices import DEVICES, spec_of_device
+
+    assert spec_of_device("Ascend910B3") is DEVICES["910b"]
+    assert spec_of_device("NVIDIA H100 80GB HBM3") is DEVICES["h100-80g"]
+    assert spec_of_device("NVIDIA H200").peak_flops == 989e12
+    assert spec_of_device("cpu") is None

@@ -26,7 +26,7 @@ from canntrain_core.finetune.tasks import task_records
 from canntrain_core.jobs.layouts import launch_layouts, run_layouts
 from canntrain_core.recipe import TemplateConfig, load_recipe
 from canntrain_core.train.metrics import read_metrics
-from canntrain_core.train.trainer import Trainer
+from canntrain_core.stages import make_trainer
 from conftest import SFT, TINY, task_data
 
 EOS = "<|endoftext|>"
@@ -103,9 +103,9 @@ def test_sft_resume_is_bit_exact(pretrained, tmp_path, data_cache):
     recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": task_data(tmp_path, 600),
                                 "data.cache_dir": data_cache, "data.batch_size": 4, "optim.max_steps": 8,
                                 "optim.grad_accum_steps": 2, "logging.eval_interval": 4, "logging.ckpt_interval": 4})
-    Trainer(recipe, run_dir=tmp_path / "full", progress=False).fit()
-    Trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=4)
-    Trainer(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
+    make_trainer(recipe, run_dir=tmp_path / "full", progress=False).fit()
+    make_trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=4)
+    make_trainer(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
     full, cut = ({r["step"]: r["loss"] for r in read_metrics(tmp_path / d) if "loss" in r} for d in ("full", "cut"))
     assert sorted(full) == list(range(1, 9)) and full == cut
 
@@ -119,7 +119,7 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
     recipe = load_recipe(None, {**SFT, "model.init_from": str(base), "data.source": task_data(tmp_path, 600),
                                 "data.cache_dir": data_cache, "lora.enabled": True, "optim.max_steps": 20, "data.batch_size": 8,
                                 "optim.lr": 3e-2, "logging.eval_interval": 20})
-    trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
+    trainer = make_trainer(recipe, run_dir=tmp_path / "run", progress=False)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.fit()
     after = dict(trainer.model.named_parameters())
@@ -145,7 +145,7 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
         other.model.norm.weight.mul_(2)
     other.save_pretrained(base)
     for attempt in (lambda: export_hf(tmp_path / "run", tmp_path / "merged2", merge=True),
-                    lambda: Trainer(recipe, run_dir=tmp_path / "run", resume_from="auto", progress=False)):
+                    lambda: make_trainer(recipe, run_dir=tmp_path / "run", resume_from="auto", progress=False)):
         with pytest.raises(BadInput, match=r"the LoRA base .*base is not the model .*\(model.safetensors changed"):
             attempt()
     assert not (tmp_path / "merged2").exists()

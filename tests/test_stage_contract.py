@@ -106,3 +106,14 @@ def test_a_stage_trains_in_16_bit(mode, precision, inputs, data_cache, tmp_path)
     assert trainer.scaler.is_enabled() == (precision == "fp16")
     if precision == "fp16":
         assert trainer.scaler.get_scale() > 0  # the scaler ran: unscale_ found a scale
+
+
+def test_a_stage_recipe_never_runs_another_stages_loop(inputs, data_cache, tmp_path):
+    """The engine's Trainer handed a reward recipe used to run the pretraining loop on it, silently."""
+    from canntrain_core.errors import RecipeError
+    from canntrain_core.train.trainer import Trainer
+
+    for mode in ("sft", "reward", "grpo"):
+        with pytest.raises(RecipeError, match=f"train_mode {mode}: Trainer trains pretrain; build a recipe's trainer"):
+            Trainer(_recipe(mode, inputs, data_cache), run_dir=tmp_path / mode, progress=False)
+        assert not (tmp_path / mode).exists()

@@ -22,10 +22,11 @@ from canntrain_core.data.pretokenize import pretokenize
 from canntrain_core.data.sampler import ResumableSampler
 from canntrain_core.data.tokenizer import TrainedTokenizer, get_tokenizer
 from canntrain_core.recipe import DataConfig
+from canntrain_core.data.tokenizer import TokenText
 
 
 @dataclass
-class DataBundle:
+class DataBundle(TokenText):
     """Everything a trainer and a notebook need from the data side."""
 
     cfg: DataConfig
@@ -78,11 +79,6 @@ class DataBundle:
         whereas pretokenized training data keeps it as plain text)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
-        """Text of token ids; EOS shows as <|endoftext|> so document boundaries stay visible."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def build_data(cfg: DataConfig, seed: int, dp_rank: int = 0, dp_size: int = 1,

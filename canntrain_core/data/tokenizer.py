@@ -51,6 +51,16 @@ class TrainedTokenizer:
     hf: Any = None
 
 
+class TokenText:
+    """What every data bundle answers with its ``tokenizer`` (a tokenizers.Tokenizer): the text of token ids,
+    special tokens shown, so that document and answer ends stay visible."""
+
+    tokenizer: Tokenizer
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
 def new_byte_level_bpe() -> Tokenizer:
     """An untrained byte-level BPE tokenizer: GPT-2 style split, bytes mapped to printable chars."""
     tok = Tokenizer(models.BPE())

@@ -29,6 +29,7 @@ from canntrain_core.data.cache import DataError
 from canntrain_core.data.sampler import ResumableSampler
 from canntrain_core.finetune.format import ChatFormat, Encoded
 from canntrain_core.finetune.records import Conversation, read_conversations
+from canntrain_core.data.tokenizer import TokenText
 
 IGNORE = -100
 
@@ -103,7 +104,7 @@ def _is_val(name: str, fraction: float) -> bool:
 
 
 @dataclass
-class SFTBundle:
+class SFTBundle(TokenText):
     """What the trainer and the notebooks need from instruction data (the pretraining bundle's interface)."""
 
     cfg: Any
@@ -137,10 +138,6 @@ class SFTBundle:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def build_sft_data(cfg, seed: int, dp_rank: int = 0, dp_size: int = 1, tokenizer=None, vocab_size: int | None = None,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from canntrain_core.recipe import load_recipe
 from canntrain_core.train.metrics import read_metrics
-from canntrain_core.train.trainer import Trainer
+from canntrain_core.stages import make_trainer
 
 
 def lr_sweep(recipe_path, overrides: dict, lrs, out: str | Path, modes=("full", "lora"), steps: int = 100) -> list[dict]:
@@ -22,7 +22,7 @@ def lr_sweep(recipe_path, overrides: dict, lrs, out: str | Path, modes=("full", 
             keys = {**overrides, "optim.lr": lr, "optim.max_steps": steps, "logging.eval_interval": steps,
                     "logging.log_interval": steps, "logging.ckpt_interval": 10**9, "lora.enabled": mode == "lora"}
             run = Path(out) / f"{mode}-{lr:g}"
-            Trainer(load_recipe(recipe_path, keys), run_dir=run, progress=False).fit()
+            make_trainer(load_recipe(recipe_path, keys), run_dir=run, progress=False).fit()
             last = [r for r in read_metrics(run) if "val_loss" in r][-1]
             speed = [r["tokens_per_second"] for r in read_metrics(run) if "tokens_per_second" in r]
             rows.append({"mode": mode, "lr": lr, "val_loss": last["val_loss"],

@@ -12,6 +12,7 @@ from canntrain_core.parallel.data_parallel import apply_ddp, apply_fsdp
 from canntrain_core.parallel.pp import build_schedule, split_stage
 from canntrain_core.parallel.recompute import apply_recompute
 from canntrain_core.parallel.tp import apply_tp
+from canntrain_core.sizing.layout import Layout
 
 
 def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool = True):
@@ -33,7 +34,6 @@ def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool
     elif dims.dp_replicate > 1 and trainable:
         apply_ddp(model, mesh["dp_replicate"])
     if dims.pp > 1:
-        d = recipe.distributed
-        micro = d.num_microbatches or recipe.optim.grad_accum_steps
-        return build_schedule(model, mesh["pp"], device, d.pipeline_schedule, micro)
+        micro = Layout.from_recipe(recipe).microbatches
+        return build_schedule(model, mesh["pp"], device, recipe.distributed.pipeline_schedule, micro)
     return None

@@ -22,6 +22,7 @@ from canntrain_core.data.cache import DataError
 from canntrain_core.finetune.format import ChatFormat
 from canntrain_core.finetune.records import BadRecord, Conversation, read_conversations
 from canntrain_core.finetune.tasks import KINDS, make_item, partial_score
+from canntrain_core.data.tokenizer import TokenText
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def _is_val(name: str, fraction: float) -> bool:
 
 
 @dataclass
-class PromptBundle:
+class PromptBundle(TokenText):
     """Prompts for online alignment: token ids, the reference answer, a resumable sampler over train."""
 
     cfg: object
@@ -145,9 +146,6 @@ class PromptBundle:
     val: list[tuple[list[int], str]]
     sampler: object
     info: dict
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def answer_text(self, response: list[int]) -> str:
         """A response's text without its end token."""

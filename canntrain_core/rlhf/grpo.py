@@ -24,6 +24,7 @@ from canntrain_core.rlhf.online import OnlineTrainer
 
 
 class GRPOTrainer(OnlineTrainer):
+    train_modes = ("grpo",)
     def build_model(self, config, fill: bool):
         built = super().build_model(config, fill)
         self.policy, self.reference = built.model, None

@@ -19,6 +19,7 @@ from canntrain_core.train.trainer import Trainer
 
 
 class OnlineTrainer(Trainer):
+    formats_conversations = True
     policy: torch.nn.Module  # the model that generates (set by the stage's build_model)
 
     def build_data(self, config):

@@ -23,9 +23,10 @@ from canntrain_core.models.rollout import layout, token_logprobs
 from canntrain_core.rlhf.data import encode_answer, read_pairs
 from canntrain_core.rlhf.frozen import sequence_scores
 from canntrain_core.train.trainer import Trainer
+from canntrain_core.data.tokenizer import TokenText
 
 
-class PairBundle:
+class PairBundle(TokenText):
     """Preference pairs as fixed-length rows: chosen / rejected ids and their answer-token masks."""
 
     def __init__(self, cfg, seed, dp_rank, dp_size, tokenizer, vocab_size=None, chat_template=None):
@@ -73,11 +74,10 @@ class PairBundle:
         return [{k: torch.stack([self.val[i][k] for i in mine[j:j + batch_size]]) for k in ("ids", "mask")}
                 for j in range(0, len(mine), batch_size)]
 
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 class PairTrainer(Trainer):
+    formats_conversations = True
     accuracy_key = "val_accuracy"  # the held-out share of pairs ordered right, by TRL's name for the stage
     def build_data(self, config):
         r = self.recipe
@@ -111,6 +111,7 @@ class PairTrainer(Trainer):
 
 
 class RewardTrainer(PairTrainer):
+    train_modes = ("reward",)
     def models(self) -> dict:
         return {"reward": self.model}
 
@@ -124,6 +125,7 @@ class RewardTrainer(PairTrainer):
 
 
 class DPOTrainer(PairTrainer):
+    train_modes = ("dpo",)
     accuracy_key = "val_rewards/accuracies"
     def models(self) -> dict:
         return {"policy": self.model, "reference": self.reference}

@@ -52,6 +52,7 @@ class ActorCritic(nn.Module):
 
 
 class PPOTrainer(OnlineTrainer):
+    train_modes = ("ppo",)
     @staticmethod
     def extra_ranks(recipe) -> int:
         h = recipe.rlhf

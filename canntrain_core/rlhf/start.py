@@ -53,6 +53,7 @@ def tiny_start(workdir: str | Path, pretrain_steps: int = 60, sft_steps: int = 1
     from canntrain_core.finetune.tasks import task_records
     from canntrain_core.recipe import load_recipe
     from canntrain_core.rlhf.data import preference_records
+    from canntrain_core.stages import make_trainer
     from canntrain_core.train.trainer import Trainer
 
     settings = {"pretrain_steps": pretrain_steps, "sft_steps": sft_steps, "seed": seed}
@@ -72,7 +73,7 @@ def tiny_start(workdir: str | Path, pretrain_steps: int = 60, sft_steps: int = 1
     sft = load_recipe(CONFIGS / "tiny_sft.yaml", {
         "model.init_from": str(base), "data.source": str(tasks), "optim.max_steps": sft_steps,
         "logging.eval_interval": sft_steps, "logging.ckpt_interval": sft_steps, "experiment.seed": seed})
-    Trainer(sft, run_dir=done.sft_run, progress=False).fit()
+    make_trainer(sft, run_dir=done.sft_run, progress=False).fit()
     export_hf(done.sft_run, done.sft_hf)
     write_jsonl(done.prompts, task_records(2000, seed=seed + 7, kinds=("sort",)))
     write_jsonl(done.pairs, preference_records(3000, seed=seed, kinds=("sort",)))

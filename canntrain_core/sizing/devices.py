@@ -19,17 +19,26 @@ class DeviceSpec:
     peak_flops: float  # dense bf16/fp16
     intra_node_bw: float  # per device, within a node (HCCS / NVLink), one direction
     inter_node_bw: float  # per device, across nodes (RoCE / InfiniBand)
+    match: str = ""  # how the runtime names it (torch.npu / torch.cuda get_device_name, lower case, no spaces)
 
     def but(self, **changes: float) -> "DeviceSpec":
         return replace(self, **changes)
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "910b": DeviceSpec("Ascend 910B (64 GB)", 64 * GiB, 313e12, 196e9, 25e9),
-    "a100-80g": DeviceSpec("A100 80 GB", 80 * GiB, 312e12, 300e9, 25e9),
-    "h100-80g": DeviceSpec("H100 80 GB", 80 * GiB, 989e12, 450e9, 50e9),
-    "h200": DeviceSpec("H200 141 GB", 141e9, 989e12, 450e9, 50e9),
+    # 910B3, the common 910B SKU (910B1 is ~376 TFLOP/s)
+    "910b": DeviceSpec("Ascend 910B (64 GB)", 64 * GiB, 313e12, 196e9, 25e9, match="910b"),
+    "a100-80g": DeviceSpec("A100 80 GB", 80 * GiB, 312e12, 300e9, 25e9, match="a100"),
+    "h100-80g": DeviceSpec("H100 80 GB", 80 * GiB, 989e12, 450e9, 50e9, match="h100"),
+    "h200": DeviceSpec("H200 141 GB", 141e9, 989e12, 450e9, 50e9, match="h200"),
 }
+
+
+def spec_of_device(name: str) -> DeviceSpec | None:
+    """The preset of the device the runtime reports by ``name`` ('Ascend910B3', 'NVIDIA H100 80GB HBM3'), or
+    None: the trainer's MFU and the planner read the same table."""
+    key = name.lower().replace(" ", "")
+    return next((spec for spec in DEVICES.values() if spec.match and spec.match in key), None)
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -1,2 +1,2 @@
-"""The engine: the loop, optimizer and schedule, metrics. It names no stage: canntrain_core/stages.py maps each
+"""The engine: the loop, optimizer and schedule, metrics. It names no stage: canntrain_core/stages/ maps each
 ``train_mode`` to its trainer."""

@@ -11,20 +11,11 @@ from typing import Any
 import torch
 
 from canntrain_core.runtime import Accelerator
-
-# Dense peak TFLOP/s per device for 16-bit matmuls (vendor figures). fp32 runs use the measured probe.
-PEAK_TFLOPS_16BIT = {
-    "Ascend910B": 313.0,  # 910B3 (the common 910B SKU); 910B1 is ~376
-    "A100": 312.0,
-    "H100": 989.0,
-    "H200": 989.0,
-}
-
+from canntrain_core.sizing.devices import spec_of_device
+from canntrain_core.sizing.shapes import shape_of
 
 def flops_per_token(config, seq_length: int) -> float:
     """Training FLOPs per token of a transformers config: ``ModelShape.flops_per_token`` (the one definition)."""
-    from canntrain_core.sizing.shapes import shape_of
-
     return shape_of(config).flops_per_token(seq_length)
 
 
@@ -49,12 +40,12 @@ def measured_peak_flops(device: str, dtype: torch.dtype, n: int | None = None, r
 
 
 def peak_flops(acc: Accelerator, precision: str) -> tuple[float, str]:
-    """Peak FLOP/s used for MFU and where the figure comes from."""
+    """Peak FLOP/s used for MFU and where the figure comes from: a 16-bit run on a device of the device table
+    (``sizing.devices``) uses its dense 16-bit figure; anything else the measured matmul probe."""
     if acc.type != "cpu" and precision in ("bf16", "fp16"):
-        name = acc.name()
-        for key, tflops in PEAK_TFLOPS_16BIT.items():
-            if key.lower() in name.lower().replace(" ", ""):
-                return tflops * 1e12, f"{key} spec"
+        spec = spec_of_device(acc.name())
+        if spec is not None:
+            return spec.peak_flops, f"{spec.name} spec"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     return measured_peak_flops(str(acc.device), dtype), f"measured {precision} matmul probe"
 

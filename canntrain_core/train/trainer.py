@@ -23,9 +23,8 @@ from canntrain_core.checkpoint.drift import check_resume
 from canntrain_core.checkpoint.export import BASE_FINGERPRINT, check_base
 from canntrain_core.data import build_data, pretrained_tokenizer
 from canntrain_core.data.tokenizer import tokenizer_files
-from canntrain_core.finetune.data import build_sft_data
 from canntrain_core.finetune.evaluate import exact_match
-from canntrain_core.errors import BadInput, OutOfMemory
+from canntrain_core.errors import BadInput, OutOfMemory, RecipeError
 from canntrain_core.models.fused import check_kernels_fit
 from canntrain_core.models.hf import base_fingerprint
 from canntrain_core.models.lifecycle import build_training_model
@@ -38,7 +37,7 @@ from canntrain_core.runtime import Accelerator, get_accelerator, seed_everything
 from canntrain_core.runtime.distributed import (
     ParallelDims, dp_coordinates, from_rank0, init_distributed, rank,
 )
-from canntrain_core.sizing.layout import check_layout
+from canntrain_core.sizing.layout import Layout, check_layout
 from canntrain_core.sizing.oom import oom_hint
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
@@ -102,6 +101,10 @@ class Trainer:
         accelerator: Accelerator | None = None,
         progress: bool = True,
     ):
+        if recipe.train_mode not in self.train_modes:  # a stage's recipe never runs another stage's loop
+            raise RecipeError(f"train_mode {recipe.train_mode}: {type(self).__name__} trains "
+                              f"{', '.join(self.train_modes)}; build a recipe's trainer with "
+                              "canntrain_core.stages.make_trainer")
         self.recipe = r = recipe.model_copy(deep=True)  # the caller's recipe is not changed (optim.epochs sets max_steps)
         self.acc = accelerator or get_accelerator()
         m, d = r.model, r.distributed
@@ -155,6 +158,7 @@ class Trainer:
                      f"none there, trained on the corpus with the model's vocab_size {config.vocab_size}")
                   + (f"; chat template: {self.data.info['chat_template']}" if "chat_template" in self.data.info else ""))
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        self.microbatches = Layout.from_recipe(r).microbatches  # what the pipeline schedule splits a step into
         self.has_loss = self.dims.pp == 1 or self.mesh.get_local_rank("pp") == self.dims.pp - 1
         self.optimizer = build_optimizer(self.model, r.optim)
         self.scheduler = build_scheduler(self.optimizer, r.optim)
@@ -194,19 +198,23 @@ class Trainer:
     def load_extra_state(self, state: dict) -> None:
         pass
 
+    # What a stage says about itself (the engine asks these, never the stage's name):
+    train_modes: tuple[str, ...] = ("pretrain",)  # the recipes it trains (canntrain_core/stages/ maps each to one)
+    formats_conversations = False  # its records are conversations: the chat template applies
+    token_weighted = False  # its rows train unequal numbers of tokens: losses are means over trained tokens
+
     def build_data(self, config):
-        """The data bundle of this stage (pretraining text, instruction rows; rlhf/ stages override)."""
+        """The data bundle of this stage: pretraining text here; the other stages override it."""
         r = self.recipe
-        build = build_sft_data if r.train_mode == "sft" else build_data
-        return build(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1],
-                     **self.tokenizer_args(config))
+        return build_data(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1],
+                          **self.tokenizer_args(config))
 
     def tokenizer_args(self, config) -> dict:
         """``model.init_from``'s tokenizer, the model's vocabulary size and, for a stage that formats
-        conversations (all but pretrain), the chat template ``data.chat_template`` picks: every stage's
+        conversations (``formats_conversations``), the chat template ``data.chat_template`` picks: every stage's
         data builder takes its tokenizer from here (``data.tokenizer.pretrained_tokenizer``)."""
         r = self.recipe
-        chat = r.data.chat_template if r.train_mode != "pretrain" else None
+        chat = r.data.chat_template if self.formats_conversations else None
         args = pretrained_tokenizer(r.model.init_from, config, chat)
         self._given_tokenizer = args.get("tokenizer")  # its special tokens go into every checkpoint
         return args
@@ -325,13 +333,13 @@ class Trainer:
         return batch[:, :-1], batch[:, 1:], {}
 
     def _token_weights(self, targets: list[torch.Tensor]) -> list[float] | None:
-        """Instruction data: each micro-batch's weight = its trained tokens / the step's, times dp."""
-        if self.recipe.train_mode == "pretrain":
+        """``token_weighted`` rows: each micro-batch's weight = its trained tokens / the step's, times dp."""
+        if not self.token_weighted:
             return None
         counts = [int((t != -100).sum()) for t in targets]
         total = self._sum_over_dp(torch.tensor(float(sum(counts)), device=self.acc.device), everywhere=True)
         dp = self.dims.dp
-        n_micro = self.schedule._n_microbatches if self.schedule is not None else len(targets)
+        n_micro = self.microbatches if self.schedule is not None else len(targets)
         self._pp_token_weight = n_micro * dp / total  # the schedule averages its micro-batch losses
         return [c * dp / total for c in counts]
 
@@ -365,11 +373,7 @@ class Trainer:
 
     def _mean_over_ranks(self, loss: torch.Tensor) -> float:
         """The loss averaged over data-parallel ranks (tp ranks hold copies; only the last pp stage has one)."""
-        if not dist.is_initialized():
-            return loss.item()
-        total = (loss if self.has_loss else torch.zeros_like(loss)).detach().float().clone()
-        dist.all_reduce(total)
-        return (total / (dist.get_world_size() // self.dims.pp)).item()
+        return self._sum_over_dp(loss) / self.dims.dp
 
     # ------------------------------------------------------------------ pieces
     @torch.no_grad()
@@ -386,13 +390,13 @@ class Trainer:
             n = (t != -100).sum().float()
             with self.acc.autocast(self.recipe.model.precision):
                 if self.schedule is not None:
-                    self.model.token_weight = self.schedule._n_microbatches if self.recipe.train_mode != "pretrain" else None
+                    self.model.token_weight = self.microbatches if self.token_weighted else None
                     loss = self._pipeline(self.schedule.eval, x, t)
                 else:
                     loss = self.model(x, t, **kw)
-            sums.append(loss if self.recipe.train_mode == "pretrain" else loss * (1 if self.schedule else n))
+            sums.append(loss * (1 if self.schedule else n) if self.token_weighted else loss)
             counts.append(n)
-        if self.recipe.train_mode == "pretrain":  # equal rows: the mean of batch means
+        if not self.token_weighted:  # equal rows: the mean of batch means
             val_loss = self._mean_over_ranks(torch.stack(sums).mean())
         else:
             val_loss = self._sum_over_dp(torch.stack(sums).sum()) / self._sum_over_dp(torch.stack(counts).sum())

@@ -1,6 +1,7 @@
 """The stage table: which trainer runs each ``train_mode``. The one place above the engine that names stages.
 
-``pretrain`` and ``sft`` are the engine's own :class:`~canntrain_core.train.trainer.Trainer`; ``reward`` and
+``pretrain`` is the engine's own :class:`~canntrain_core.train.trainer.Trainer`, ``sft`` adds its instruction
+data (``stages/sft.py``); ``reward`` and
 ``dpo`` train on preference pairs (``rlhf/pairs.py``); ``grpo`` and ``ppo`` sample and score online
 (``rlhf/grpo.py``, ``rlhf/ppo.py``). The engine (``train/``) knows none of them by name: the command line,
 the layout runner and the notebooks build a run's trainer with :func:`make_trainer`.
@@ -14,11 +15,12 @@ from canntrain_core.recipe import Recipe
 from canntrain_core.rlhf.grpo import GRPOTrainer
 from canntrain_core.rlhf.pairs import DPOTrainer, RewardTrainer
 from canntrain_core.rlhf.ppo import PPOTrainer, ScorerService
+from canntrain_core.stages.sft import SFTTrainer
 from canntrain_core.train.trainer import Trainer
 
 STAGES: dict[str, type[Trainer]] = {
     "pretrain": Trainer,
-    "sft": Trainer,
+    "sft": SFTTrainer,
     "reward": RewardTrainer,
     "dpo": DPOTrainer,
     "grpo": GRPOTrainer,
