@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from canntrain_core.models.registry import count_parameters
+
 
 def is_adapter(name: str) -> bool:
     return "lora_A" in name or "lora_B" in name
@@ -40,8 +42,7 @@ def apply_lora(hf_model: torch.nn.Module, lora) -> None:
 
 def trainable_summary(model: torch.nn.Module) -> str:
     """peft's ``print_trainable_parameters`` line (DTensor parameters counted whole)."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    trainable, total = count_parameters(model, trainable_only=True), count_parameters(model)
     return f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
 
 

@@ -64,8 +64,10 @@ def build_model(
     return model.to(device)
 
 
-def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = False) -> int:
-    n = sum(p.numel() for p in model.parameters())
+def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = False, trainable_only: bool = False) -> int:
+    """Parameters of a model, each once (a tied head is the embedding), DTensors counted whole: the one count
+    the notebooks, LoRA's summary and the benchmarks read."""
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
     if exclude_embeddings:
         emb = model.get_input_embeddings()
         n -= emb.weight.numel()
