@@ -117,3 +117,26 @@ def test_a_stage_recipe_never_runs_another_stages_loop(inputs, data_cache, tmp_p
         with pytest.raises(RecipeError, match=f"train_mode {mode}: Trainer trains pretrain; build a recipe's trainer"):
             Trainer(_recipe(mode, inputs, data_cache), run_dir=tmp_path / mode, progress=False)
         assert not (tmp_path / mode).exists()
+
+
+@pytest.mark.parametrize("mode", list(STAGE))
+def test_a_stage_exports_its_language_model_or_says_why_not(mode, inputs, data_cache, tmp_path):
+    """export (and generate) read what the stage wrote into its checkpoint (stage.json): PPO's actor, not its
+    critic; a reward model refused with its reason; every other stage's model, loaded by transformers to the
+    trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from canntrain_core.checkpoint.export import export_hf
+    from canntrain_core.errors import BadInput
+
+    trainer = make_trainer(_recipe(mode, inputs, data_cache), run_dir=tmp_path / "run", progress=False)
+    trainer.fit()
+    if mode == "reward":
+        with pytest.raises(BadInput, match="a reward model scores answers with a one-row head"):
+            export_hf(tmp_path / "run", tmp_path / "hf")
+        return
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    lm = (trainer.policy if mode in ("grpo", "ppo") else trainer.model).eval()
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(ids).logits - lm(ids)).abs().max() < 1e-5

@@ -61,6 +61,20 @@ def check_base(ckpt: Path, base: str | Path, what: str) -> None:
                        "put the original back at that path, or train the adapters anew")
 
 
+STAGE_FILE = "stage.json"  # in every checkpoint: what the stage that wrote it says about its model state
+
+
+def language_model_prefix(ckpt: Path) -> str:
+    """Where the language model sits in the checkpoint's model state ('' or PPO's 'actor.'), as the stage that
+    wrote it says (``stage.json``); a checkpoint whose model is no language model (a reward model) is refused
+    with the stage's reason. Export and generate read this, never the recipe's train_mode."""
+    path = Path(ckpt) / STAGE_FILE
+    stage = json.loads(path.read_text()) if path.is_file() else {}
+    if stage.get("not_a_language_model"):
+        raise BadInput(f"{ckpt}: {stage['not_a_language_model']}")
+    return stage.get("language_model", "")
+
+
 def resolve_checkpoint(source: str | Path) -> Path:
     """A checkpoint directory, or a run directory's newest complete checkpoint."""
     p = Path(source)
@@ -123,11 +137,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max
     config.dtype = DTYPES[dtype]
     meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     stored = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
-    mode = recipe.get("train_mode", "pretrain")
-    if mode == "reward":
-        raise BadInput(f"{ckpt}: a reward model scores answers with a one-row head, it is not a language model; "
-                       "PPO reads its checkpoint as it is (rlhf.reward_model)")
-    prefix = "actor." if mode == "ppo" else ""  # PPO: the actor is the model it trained; the critic stays behind
+    prefix = language_model_prefix(ckpt)  # PPO: the actor is the model it trained; the critic stays behind
     stored = {k.removeprefix(prefix): v for k, v in stored.items() if k.startswith(prefix)}
 
     out.parent.mkdir(parents=True, exist_ok=True)

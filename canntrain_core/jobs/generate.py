@@ -132,7 +132,9 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
     from transformers import LlamaConfig
 
     from canntrain_core.checkpoint.dcp import checkpoint_config, checkpoint_recipe
-    from canntrain_core.checkpoint.export import _load_from_checkpoint, _merged_source, resolve_checkpoint
+    from canntrain_core.checkpoint.export import (
+        _load_from_checkpoint, _merged_source, language_model_prefix, resolve_checkpoint,
+    )
     from canntrain_core.recipe import TemplateConfig
 
     ckpt = resolve_checkpoint(path)
@@ -140,13 +142,10 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
     fields = checkpoint_config(ckpt)
     if fields is None:
         raise BadInput(f"{ckpt}: no config.json (written by an older canntrain); cannot build its model")
-    mode = recipe.get("train_mode", "pretrain")
-    if mode == "reward":
-        raise BadInput(f"{ckpt}: a reward model scores answers, it does not generate them")
+    prefix = language_model_prefix(ckpt)  # PPO: the actor generates; the critic stays behind
     config = LlamaConfig.from_dict(fields)
     config._attn_implementation = "sdpa"
     meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    prefix = "actor." if mode == "ppo" else ""  # PPO: the actor generates; the critic stays behind
     stored = {k.removeprefix("model.").removeprefix(prefix): v for k, v in meta.items()
               if k.startswith("model." + prefix)}
     if recipe.get("lora", {}).get("enabled", False):  # adapters only: the base with them folded in
@@ -155,8 +154,9 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
         shapes = {n: v.size for n, v in stored.items()}
         load = partial(_load_from_checkpoint, ckpt, stored, prefix=prefix)
     model = _build(config, load(sorted(shapes)), device, dtype, ckpt)
-    template = recipe.get("data", {}).get("template") if mode != "pretrain" else None  # checkpoints before
-    fallback = TemplateConfig(**template) if template else None  # chat_template.jinja: the recipe's template
+    # a checkpoint written before chat_template.jinja was: the template its recipe formatted conversations with
+    template = recipe.get("data", {}).get("template") if recipe.get("train_mode", "pretrain") != "pretrain" else None
+    fallback = TemplateConfig(**template) if template else None
     return _finish(model, config, ckpt, fallback)
 
 

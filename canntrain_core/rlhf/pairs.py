@@ -112,6 +112,8 @@ class PairTrainer(Trainer):
 
 class RewardTrainer(PairTrainer):
     train_modes = ("reward",)
+    not_a_language_model = ("a reward model scores answers with a one-row head, it is not a language model; "
+                            "PPO reads its checkpoint as it is (rlhf.reward_model)")
     def models(self) -> dict:
         return {"reward": self.model}
 

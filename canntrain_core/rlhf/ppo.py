@@ -53,6 +53,7 @@ class ActorCritic(nn.Module):
 
 class PPOTrainer(OnlineTrainer):
     train_modes = ("ppo",)
+    language_model = "actor."  # the actor is the language model it trains; the critic stays behind
     @staticmethod
     def extra_ranks(recipe) -> int:
         h = recipe.rlhf

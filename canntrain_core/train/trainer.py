@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from canntrain_core import checkpoint
 from canntrain_core.checkpoint.drift import check_resume
-from canntrain_core.checkpoint.export import BASE_FINGERPRINT, check_base
+from canntrain_core.checkpoint.export import BASE_FINGERPRINT, STAGE_FILE, check_base
 from canntrain_core.data import build_data, pretrained_tokenizer
 from canntrain_core.data.tokenizer import tokenizer_files
 from canntrain_core.finetune.evaluate import exact_match
@@ -191,6 +191,11 @@ class Trainer:
         """Processes of the job beyond the trained model's layout (PPO's separated frozen models)."""
         return 0
 
+    def models(self) -> dict:
+        """The models this stage holds, by role (the alignment stages add their frozen ones): what the memory
+        tools measure."""
+        return {"model": self.model}
+
     def extra_state(self) -> dict:
         """What a stage adds to each checkpoint's trainer state (PPO: its adaptive KL coefficient)."""
         return {}
@@ -200,6 +205,8 @@ class Trainer:
 
     # What a stage says about itself (the engine asks these, never the stage's name):
     train_modes: tuple[str, ...] = ("pretrain",)  # the recipes it trains (canntrain_core/stages/ maps each to one)
+    language_model = ""  # where the language model sits in this stage's model state (PPO: its "actor.")
+    not_a_language_model: str | None = None  # why export and generate refuse this stage's checkpoints
     formats_conversations = False  # its records are conversations: the chat template applies
     token_weighted = False  # its rows train unequal numbers of tokens: losses are means over trained tokens
 
@@ -424,7 +431,9 @@ class Trainer:
         return checkpoint.save_checkpoint(
             self.ckpt_root, self.step, self.model, self.optimizer, state,
             {"recipe.resolved.yaml": self.recipe.to_yaml(), "config.json": self.model_config.to_json_string(),
-             "tokenizer.json": self.data.tokenizer.to_str(), **self.tokenizer_metadata(), **self._base_files()},
+             "tokenizer.json": self.data.tokenizer.to_str(), **self.tokenizer_metadata(), **self._base_files(),
+             STAGE_FILE: json.dumps({"train_mode": self.recipe.train_mode, "language_model": self.language_model,
+                                     "not_a_language_model": self.not_a_language_model})},
             keep_last=self.recipe.logging.keep_last, trainable_only=self.recipe.lora.enabled,
         )
 
