@@ -28,6 +28,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP) lint
 	$(PY) -m pytest tests cookbook --nbmake --nbmake-timeout=900 $(PYTEST_ARGS)

@@ -50,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     env = dict(
-        device=registry.current_device(), torch=torch.__version__, threads=torch.get_num_threads(),
-        cpu=platform.processor() or platform.machine(), load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        device=registry.current_device(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        cpu=platform.processor() or platform.machine(),
+        load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     )
     print("environment:", env, flush=True)
     out: dict = {"environment": env}

@@ -21,8 +21,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "cookbook" / "llama" / "configs" / "tiny_pretrain.yaml"
-BASE = {"data.batch_size": 8, "logging.log_interval": 1, "logging.eval_interval": 10**6,
-        "logging.ckpt_interval": 10**6, "logging.eval_batches": 1, "optim.warmup_steps": 2}
+BASE = {
+    "data.batch_size": 8,
+    "logging.log_interval": 1,
+    "logging.eval_interval": 10**6,
+    "logging.ckpt_interval": 10**6,
+    "logging.eval_batches": 1,
+    "optim.warmup_steps": 2,
+}
 LAYOUTS = {
     "dp2": {"distributed.data_parallel_size": 2, "data.batch_size": 4},
     "fsdp2": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4},
@@ -31,13 +37,25 @@ LAYOUTS = {
     "pp2_1f1b": {"distributed.pipeline_parallel_size": 2, "data.batch_size": 4, "optim.grad_accum_steps": 2},
     # gradient accumulation: the same global batch in 4 micro-batches per rank
     "dp2_accum4": {"distributed.data_parallel_size": 2, "data.batch_size": 1, "optim.grad_accum_steps": 4},
-    "zero1_accum4": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 1,
-                     "data.batch_size": 1, "optim.grad_accum_steps": 4},
-    "fsdp2_accum4": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3,
-                     "data.batch_size": 1, "optim.grad_accum_steps": 4},
+    "zero1_accum4": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 1,
+        "data.batch_size": 1,
+        "optim.grad_accum_steps": 4,
+    },
+    "fsdp2_accum4": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 3,
+        "data.batch_size": 1,
+        "optim.grad_accum_steps": 4,
+    },
     # bf16: FSDP2's MixedPrecisionPolicy gathers bf16 parameters (fp32 before it existed: see fsdp2)
-    "fsdp2_bf16": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4,
-                   "model.precision": "bf16"},
+    "fsdp2_bf16": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 3,
+        "data.batch_size": 4,
+        "model.precision": "bf16",
+    },
 }
 
 
@@ -68,9 +86,11 @@ def worker(out: str, steps: int) -> None:
             dist.barrier()
             traffic[n] = lo_tx_bytes() - before
         rows = [r for r in read_metrics(Path(out) / f"{name}_{steps}") if "loss" in r][2:]
-        results[name] = {"tokens_per_second": sum(r["tokens_per_second"] for r in rows) / len(rows),
-                         "bytes_per_step": (traffic[steps] - traffic[steps // 3]) / (steps - steps // 3),
-                         "recipe": overrides}
+        results[name] = {
+            "tokens_per_second": sum(r["tokens_per_second"] for r in rows) / len(rows),
+            "bytes_per_step": (traffic[steps] - traffic[steps // 3]) / (steps - steps // 3),
+            "recipe": overrides,
+        }
     if dist.get_rank() == 0:
         (Path(out) / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -97,28 +117,55 @@ def main() -> None:
     Trainer(single, run_dir=Path(out) / "single", progress=False).fit()
     rows = [r for r in read_metrics(Path(out) / "single") if "loss" in r][2:]
     single_tps = sum(r["tokens_per_second"] for r in rows) / len(rows)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
-                    __file__, "--worker", out, str(a.steps)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={a.nproc}",
+            __file__,
+            "--worker",
+            out,
+            str(a.steps),
+        ],
+        check=True,
+    )
     results = json.loads((Path(out) / "results.json").read_text())
 
-    print(f"torch {torch.__version__}, gloo, {a.nproc} processes on {os.cpu_count()} cores, tiny Llama fp32, "
-          f"global batch 8 x 128 tokens\n")
+    print(
+        f"torch {torch.__version__}, gloo, {a.nproc} processes on {os.cpu_count()} cores, tiny Llama fp32, "
+        f"global batch 8 x 128 tokens\n"
+    )
     print("| layout | tokens/s per device | vs 1 process | bytes/step measured (all ranks) | estimated | ratio |")
     print("|---|---|---|---|---|---|")
     print(f"| single | {single_tps:,.0f} | 1.00 | 0 | 0 | |")
     for name, res in results.items():
         recipe = load_recipe(RECIPE, {**BASE, "distributed.world_size": a.nproc, **res["recipe"]})
         config = build_config(recipe.model.preset, recipe.model.overrides, recipe.data.tokenizer.vocab_size)
-        est = a.nproc * sum(r["bytes"] for r in comm_per_step(
-            config, ParallelDims.from_recipe(recipe.distributed), recipe.data.batch_size, recipe.data.seq_length,
-            recipe.optim.grad_accum_steps, recipe.distributed.zero_optimization, recipe.model.precision, backend="gloo",
-            sequence_parallel=recipe.distributed.sequence_parallel))
+        est = a.nproc * sum(
+            r["bytes"]
+            for r in comm_per_step(
+                config,
+                ParallelDims.from_recipe(recipe.distributed),
+                recipe.data.batch_size,
+                recipe.data.seq_length,
+                recipe.optim.grad_accum_steps,
+                recipe.distributed.zero_optimization,
+                recipe.model.precision,
+                backend="gloo",
+                sequence_parallel=recipe.distributed.sequence_parallel,
+            )
+        )
         measured = res["bytes_per_step"]
-        print(f"| {name} | {res['tokens_per_second']:,.0f} | {res['tokens_per_second'] / single_tps:.2f} | "
-              f"{measured / 2**20:.1f} MiB | {est / 2**20:.1f} MiB | {measured / est:.2f} |")
+        print(
+            f"| {name} | {res['tokens_per_second']:,.0f} | {res['tokens_per_second'] / single_tps:.2f} | "
+            f"{measured / 2**20:.1f} MiB | {est / 2**20:.1f} MiB | {measured / est:.2f} |"
+        )
     (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
     (ROOT / "benchmarks" / "out" / "parallel_overhead.json").write_text(
-        json.dumps({"single_tokens_per_second": single_tps, "layouts": results}, indent=1))
+        json.dumps({"single_tokens_per_second": single_tps, "layouts": results}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Which fine-tuning learning rate holds on the tiny task: the cann-recipes-train articles' "10x the pretraining lr" or "about 1e-5"?
+"""Which fine-tuning learning rate holds on the tiny task: the cann-recipes-train articles' "10x the pretraining lr"
+or "about 1e-5"?
 
     .venv/bin/python benchmarks/sft_lr_sweep.py [--steps 300] [--lrs 1e-5,3e-4,3e-3,3e-2]
 
@@ -34,14 +35,27 @@ def main() -> None:
     ap.add_argument("--lrs", default="1e-5,3e-4,3e-3,3e-2")
     a = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="sft-lr-sweep-"))
-    pre = load_recipe(TINY, {**FAST, "data.tokenizer.vocab_size": 4096, "optim.max_steps": 60,
-                             "logging.ckpt_interval": 60, "logging.eval_interval": 60})
+    pre = load_recipe(
+        TINY,
+        {
+            **FAST,
+            "data.tokenizer.vocab_size": 4096,
+            "optim.max_steps": 60,
+            "logging.ckpt_interval": 60,
+            "logging.eval_interval": 60,
+        },
+    )
     Trainer(pre, run_dir=out / "pretrain", progress=False).fit()
     hf = export_hf(out / "pretrain", out / "hf").out
     src = write_jsonl(out / "tasks.jsonl", task_records(4000, seed=0, kinds=("sort", "upper")))
     keys = {"model.init_from": str(hf), "data.source": str(src), "logging.eval_exact_match": 64}
-    rows = lr_sweep(ROOT / "cookbook" / "llama" / "configs" / "tiny_sft.yaml", keys,
-                    [float(x) for x in a.lrs.split(",")], out, steps=a.steps)
+    rows = lr_sweep(
+        ROOT / "cookbook" / "llama" / "configs" / "tiny_sft.yaml",
+        keys,
+        [float(x) for x in a.lrs.split(",")],
+        out,
+        steps=a.steps,
+    )
     print(f"pretraining lr 3e-3; {a.steps} fine-tuning steps of 32 packed rows; 64 held-out answers\n")
     print(format_sweep(rows))
 

@@ -72,8 +72,11 @@ def run_ours(recipe, skip: int) -> dict:
         rows = [r for r in read_metrics(d) if "loss" in r]
     timed = [r for r in rows if r["step"] > skip]
     step_time = sum(r["step_time"] for r in timed) / len(timed)
-    return {"tokens_per_second": recipe.tokens_per_step / step_time, "peak_rss_bytes": mem.bytes,
-            "losses": {r["step"]: r["loss"] for r in rows}}
+    return {
+        "tokens_per_second": recipe.tokens_per_step / step_time,
+        "peak_rss_bytes": mem.bytes,
+        "losses": {r["step"]: r["loss"] for r in rows},
+    }
 
 
 def window_mean(losses: dict, end: int, width: int) -> float:
@@ -108,13 +111,28 @@ def run_hf(recipe, skip: int) -> dict:
 
     o = r.optim
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=r.data.batch_size,
-        gradient_accumulation_steps=o.grad_accum_steps, max_steps=o.max_steps, learning_rate=o.lr,
-        weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
-        max_grad_norm=o.grad_clip, warmup_steps=o.warmup, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": o.min_lr_ratio}, logging_steps=10,
-        save_strategy="steps", save_steps=o.max_steps, report_to=[], use_cpu=True, bf16=r.model.precision == "bf16",
-        dataloader_num_workers=r.data.num_workers, remove_unused_columns=False, disable_tqdm=True,
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=r.data.batch_size,
+        gradient_accumulation_steps=o.grad_accum_steps,
+        max_steps=o.max_steps,
+        learning_rate=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_epsilon=o.eps,
+        max_grad_norm=o.grad_clip,
+        warmup_steps=o.warmup,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": o.min_lr_ratio},
+        logging_steps=10,
+        save_strategy="steps",
+        save_steps=o.max_steps,
+        report_to=[],
+        use_cpu=True,
+        bf16=r.model.precision == "bf16",
+        dataloader_num_workers=r.data.num_workers,
+        remove_unused_columns=False,
+        disable_tqdm=True,
         seed=r.experiment.seed,
     )
     # The same initial weights as canntrain's (its seeded, layout-independent init), on transformers' model.
@@ -136,9 +154,16 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=10, help="warm-up steps left out of the timing")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     a = p.parse_args()
-    recipe = load_recipe(RECIPE, {"optim.max_steps": a.steps, "model.precision": a.precision,
-                                  "logging.log_interval": 1, "logging.eval_interval": 10**6,
-                                  "logging.ckpt_interval": 10**6})
+    recipe = load_recipe(
+        RECIPE,
+        {
+            "optim.max_steps": a.steps,
+            "model.precision": a.precision,
+            "logging.log_interval": 1,
+            "logging.eval_interval": 10**6,
+            "logging.ckpt_interval": 10**6,
+        },
+    )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {recipe.summary()}")
     results: dict[str, list[dict]] = {"canntrain": [], "transformers": []}
     for i in range(a.rounds):
@@ -150,11 +175,17 @@ def main() -> None:
         return max(x[key] for x in results[name]) if key == "tokens_per_second" else min(x[key] for x in results[name])
 
     ours, hf = best("canntrain", "tokens_per_second"), best("transformers", "tokens_per_second")
-    print(f"\n| trainer | tokens/s (best of {a.rounds}) | peak RSS growth (MiB) | mean loss, steps {a.steps - 9}-{a.steps} |")
+    print(
+        f"\n| trainer | tokens/s (best of {a.rounds}) | peak RSS growth (MiB) "
+        f"| mean loss, steps {a.steps - 9}-{a.steps} |"
+    )
     print("|---|---|---|---|")
     for name in results:
         loss = window_mean(results[name][-1]["losses"], a.steps, 10)
-        print(f"| {name} | {best(name, 'tokens_per_second'):,.0f} | {best(name, 'peak_rss_bytes') / 2**20:.0f} | {loss:.3f} |")
+        print(
+            f"| {name} | {best(name, 'tokens_per_second'):,.0f} "
+            f"| {best(name, 'peak_rss_bytes') / 2**20:.0f} | {loss:.3f} |"
+        )
     print(f"\nratio canntrain / transformers: {ours / hf:.2f} ({a.precision}, {a.steps} steps)")
     out = ROOT / "benchmarks" / "out" / f"trainer_vs_hf_{a.precision}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,8 +45,12 @@ def report_failure(command: str, error: CanntrainError) -> int:
     print(message, file=sys.stderr)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun shows this file's py_callstack as the failing rank's "traceback"
-        record = {"message": {"message": f"{type(error).__name__}: {error}",
-                              "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+        record = {
+            "message": {
+                "message": f"{type(error).__name__}: {error}",
+                "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+            }
+        }
         with open(error_file, "w") as f:
             json.dump(record, f)
     return error.exit_code

@@ -60,8 +60,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> 
     raise ValueError(f"KL estimator {kind!r}: expected one of {', '.join(KL_ESTIMATORS)}")
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over each response; returns (advantages, returns).
 
     delta_t = r_t + gamma V_{t+1} - V_t with V = 0 after the last generated token;
@@ -81,10 +82,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, advantages + values
 
 
-def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                        clip_low: float, clip_high: float | None = None, aggregation: str = "token",
-                        max_tokens: int | None = None, tokens: torch.Tensor | float | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float | None = None,
+    aggregation: str = "token",
+    max_tokens: int | None = None,
+    tokens: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate: max(-A r, -A clip(r, 1 - low, 1 + high)); returns (loss, clip fraction).
 
     The clip fraction is the share of generated tokens where the clipped term is the larger (verl's
@@ -102,8 +110,9 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     return aggregate(per_token, mask, aggregation, max_tokens, tokens), clip_frac
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """0.5 max((V - R)^2, (clip(V, V_old +- clip) - R)^2), the mean over generated tokens; returns
     (loss, clip fraction): the share of tokens where the clipped term is the larger, i.e. where the clip
     binds (verl's ``critic/vf_clipfrac``, TRL's ``val/clipfrac_avg``), not where |V - V_old| > clip."""
@@ -113,8 +122,13 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     return loss, masked_mean((clipped > unclipped).float(), mask)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_tokens: int | None = None,
-              tokens: torch.Tensor | float | None = None) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    max_tokens: int | None = None,
+    tokens: torch.Tensor | float | None = None,
+) -> torch.Tensor:
     """One loss from the per-token losses [B, T] of one optimizer step's mini-batch (on this rank):
 
     ``grpo``: the mean over each response's tokens, then over responses (DeepSeekMath's GRPO; TRL
@@ -139,8 +153,10 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_tokens
         return (per_token * mask).sum() / (count.clamp(min=1) if torch.is_tensor(count) else max(count, 1))
     if mode == "dr_grpo":
         if not max_tokens:
-            raise ValueError("loss aggregation dr_grpo divides by the maximal response length: pass max_tokens "
-                             "(rlhf.generate_max_length)")
+            raise ValueError(
+                "loss aggregation dr_grpo divides by the maximal response length: pass max_tokens "
+                "(rlhf.generate_max_length)"
+            )
         return (per_token * mask).sum() / (per_token.shape[0] * max_tokens)
     raise ValueError(f"loss aggregation {mode!r}: expected grpo, bnpo, dr_grpo or dapo")
 
@@ -160,9 +176,14 @@ def group_advantages(scores: torch.Tensor, group_size: int, scale: str = "group"
     return adv.view(-1)
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DPO's sigmoid loss on sequence log-probabilities; returns (per-pair loss, implicit reward margin).
 
     -log sigmoid(beta h) (1 - eps) - log sigmoid(-beta h) eps, h = (pi_c - ref_c) - (pi_r - ref_r).

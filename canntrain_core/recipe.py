@@ -258,7 +258,9 @@ class RLHFConfig(_Section):
     lam: float = Field(0.95, ge=0, le=1)
     whiten_advantages: bool = True
     target_kl: float | None = Field(None, gt=0, description="adaptive KL controller's target (None: fixed kl_coeff)")
-    missing_eos_penalty: float = Field(1.0, ge=0, description="subtracted from the score of a response with no end token")
+    missing_eos_penalty: float = Field(
+        1.0, ge=0, description="subtracted from the score of a response with no end token"
+    )
     reward_model: str | None = None  # a train_mode reward run directory or checkpoint (None: the programmatic scorer)
     # shared: reference and reward model in the trainer's processes; separated: on scorer_ranks processes
     # of their own, beyond distributed.world_size (the job launches world_size + scorer_ranks)
@@ -280,13 +282,30 @@ class RLHFConfig(_Section):
 
 # Which stages read which rlhf key (set to anything but its default in another stage: refused).
 RLHF_KEYS = {
-    "generate_max_length": ("grpo", "ppo"), "temperature": ("grpo", "ppo"), "top_k": ("grpo", "ppo"),
-    "ppo_epochs": ("grpo", "ppo"), "mini_batch_size": ("grpo", "ppo"), "clip_range": ("grpo", "ppo"),
-    "kl_coeff": ("grpo", "ppo"), "kl_estimator": ("grpo", "ppo"), "value_clip_range": ("ppo",),
-    "value_coeff": ("ppo",), "gamma": ("ppo",), "lam": ("ppo",), "whiten_advantages": ("ppo",), "target_kl": ("ppo",),
-    "missing_eos_penalty": ("ppo",), "reward_model": ("ppo",), "device_placement": ("ppo",), "scorer_ranks": ("ppo",),
-    "group_size": ("grpo",), "clip_range_high": ("grpo",), "loss_aggregation": ("grpo",), "scale_rewards": ("grpo",),
-    "beta": ("dpo",), "label_smoothing": ("dpo",),
+    "generate_max_length": ("grpo", "ppo"),
+    "temperature": ("grpo", "ppo"),
+    "top_k": ("grpo", "ppo"),
+    "ppo_epochs": ("grpo", "ppo"),
+    "mini_batch_size": ("grpo", "ppo"),
+    "clip_range": ("grpo", "ppo"),
+    "kl_coeff": ("grpo", "ppo"),
+    "kl_estimator": ("grpo", "ppo"),
+    "value_clip_range": ("ppo",),
+    "value_coeff": ("ppo",),
+    "gamma": ("ppo",),
+    "lam": ("ppo",),
+    "whiten_advantages": ("ppo",),
+    "target_kl": ("ppo",),
+    "missing_eos_penalty": ("ppo",),
+    "reward_model": ("ppo",),
+    "device_placement": ("ppo",),
+    "scorer_ranks": ("ppo",),
+    "group_size": ("grpo",),
+    "clip_range_high": ("grpo",),
+    "loss_aggregation": ("grpo",),
+    "scale_rewards": ("grpo",),
+    "beta": ("dpo",),
+    "label_smoothing": ("dpo",),
 }
 
 
@@ -350,16 +369,22 @@ class Recipe(_Section):
                 raise ValueError(f"{', '.join(sft_only)}: only train_mode sft reads these")
         if self.train_mode != "pretrain" and not self.data.source.endswith(".jsonl"):
             what = "preference pairs" if self.train_mode in ("reward", "dpo") else "instruction records"
-            raise ValueError(f"data.source: train_mode {self.train_mode} reads a .jsonl file of {what}, got "
-                             f"{self.data.source!r}")
+            raise ValueError(
+                f"data.source: train_mode {self.train_mode} reads a .jsonl file of {what}, got {self.data.source!r}"
+            )
         default = RLHFConfig()
-        stray = [f"rlhf.{k}" for k, modes in RLHF_KEYS.items()
-                 if self.train_mode not in modes and getattr(self.rlhf, k) != getattr(default, k)]
+        stray = [
+            f"rlhf.{k}"
+            for k, modes in RLHF_KEYS.items()
+            if self.train_mode not in modes and getattr(self.rlhf, k) != getattr(default, k)
+        ]
         if stray:
             raise ValueError(f"{', '.join(stray)}: train_mode {self.train_mode} does not read these")
         if self.train_mode in ("reward", "dpo", "grpo", "ppo") and not self.model.init_from:
-            raise ValueError(f"model.init_from: train_mode {self.train_mode} starts from a fine-tuned model "
-                             "(a Hugging Face directory, e.g. `canntrain export` of an SFT run)")
+            raise ValueError(
+                f"model.init_from: train_mode {self.train_mode} starts from a fine-tuned model "
+                "(a Hugging Face directory, e.g. `canntrain export` of an SFT run)"
+            )
         if self.train_mode in ("reward", "dpo", "grpo", "ppo"):
             self._alignment_rules()
         if self.lora.enabled and not self.model.init_from:
@@ -371,14 +396,20 @@ class Recipe(_Section):
         if self.lora.enabled:
             raise ValueError(f"lora.enabled: train_mode {mode} trains full models here (LoRA is wired for sft)")
         if d.pipeline_parallel_size > 1:
-            raise ValueError(f"distributed.pipeline_parallel_size: train_mode {mode} runs whole models per rank "
-                             "(scores, generation); use FSDP2 or TP")
+            raise ValueError(
+                f"distributed.pipeline_parallel_size: train_mode {mode} runs whole models per rank "
+                "(scores, generation); use FSDP2 or TP"
+            )
         if mode in ("grpo", "ppo") and d.sequence_parallel:
-            raise ValueError("distributed.sequence_parallel: generation feeds one token at a time, which "
-                             "cannot be split along the sequence; use plain TP")
+            raise ValueError(
+                "distributed.sequence_parallel: generation feeds one token at a time, which "
+                "cannot be split along the sequence; use plain TP"
+            )
         if h.device_placement == "separated" and h.kl_coeff == 0 and not h.reward_model:
-            raise ValueError("rlhf.device_placement: separated moves the reference and the reward model to ranks "
-                             "of their own, and this recipe has neither (kl_coeff 0, no reward_model)")
+            raise ValueError(
+                "rlhf.device_placement: separated moves the reference and the reward model to ranks "
+                "of their own, and this recipe has neither (kl_coeff 0, no reward_model)"
+            )
         if h.scorer_ranks != 1 and h.device_placement != "separated":
             raise ValueError("rlhf.scorer_ranks: only device_placement separated has scorer ranks")
 

@@ -45,8 +45,9 @@ def _read_text(p: Path, source: str) -> str:
         st = p.stat()
     except (FileNotFoundError, NotADirectoryError):
         if p.is_symlink():
-            raise RecipeError(f"{source}: recipe file not found (a symlink to {str(p.readlink())!r}, "
-                              "which does not exist)") from None
+            raise RecipeError(
+                f"{source}: recipe file not found (a symlink to {str(p.readlink())!r}, which does not exist)"
+            ) from None
         raise RecipeError(f"{source}: recipe file not found") from None
     except OSError as e:  # e.g. a parent directory this user may not enter
         raise RecipeError(f"{source}: cannot be read: {e.strerror or e}") from None
@@ -55,8 +56,9 @@ def _read_text(p: Path, source: str) -> str:
     if not stat.S_ISREG(st.st_mode):  # reading a named pipe blocks until someone writes, a device never ends
         raise RecipeError(f"{source}: not a regular file (a pipe, socket or device); a recipe is a YAML file")
     if st.st_size > _MAX_RECIPE_BYTES:
-        raise RecipeError(f"{source}: {st.st_size:,} bytes, too big for a recipe (a few KB of YAML): "
-                          "is this a data file?")
+        raise RecipeError(
+            f"{source}: {st.st_size:,} bytes, too big for a recipe (a few KB of YAML): is this a data file?"
+        )
     try:
         raw = p.read_bytes()
     except OSError as e:
@@ -95,8 +97,9 @@ def _compose(text: str, source: str) -> yaml.Node | None:
         docs = [d for d in yaml.compose_all(text, Loader=yaml.SafeLoader) if not _is_empty(d)]
     except yaml.reader.ReaderError as e:
         line = text.count("\n", 0, e.position) + 1
-        raise RecipeError(f"{source}, line {line}: control character U+{e.character:04X} is not allowed "
-                          "in YAML") from None
+        raise RecipeError(
+            f"{source}, line {line}: control character U+{e.character:04X} is not allowed in YAML"
+        ) from None
     except yaml.YAMLError as e:
         raise RecipeError(_syntax_message(e, text, source)) from None
     except RecursionError:  # the composer recurses once per nesting level
@@ -162,8 +165,10 @@ def _sections(model: type[BaseModel], prefix: str = "") -> set[str]:
 
 # Signatures of files that are not recipes: top-level keys -> what the file is.
 _LOOKS_LIKE = [
-    ({"nbformat", "cells"},
-     "a Jupyter notebook, not a recipe; give the notebook's recipe YAML (cookbook/<model>/configs/)"),
+    (
+        {"nbformat", "cells"},
+        "a Jupyter notebook, not a recipe; give the notebook's recipe YAML (cookbook/<model>/configs/)",
+    ),
     ({"added_tokens", "model"}, "a tokenizers tokenizer.json, not a recipe"),
     ({"model_type"}, "a Hugging Face model config (config.json), not a recipe"),
     ({"corpus_source", "tokenizer_hash"}, "a run's data.json, not a recipe; the run's recipe is recipe.resolved.yaml"),
@@ -173,11 +178,15 @@ _LOOKS_LIKE = [
 def _check_top(root: yaml.Node | None, source: str, schema: type[BaseModel]) -> None:
     """The top level must be a mapping of recipe sections, not a list, a scalar or another kind of file."""
     if root is None:
-        raise RecipeError(f"{source}: holds no settings (empty, or only comments); a recipe is a mapping of sections "
-                          "such as model:, data:, optim:")
+        raise RecipeError(
+            f"{source}: holds no settings (empty, or only comments); a recipe is a mapping of sections "
+            "such as model:, data:, optim:"
+        )
     if not isinstance(root, yaml.MappingNode):
-        raise RecipeError(f"{source}, line {_line(root)}: the top level is {_kind(root)}, not a mapping of sections "
-                          "(model:, data:, optim:, ...)")
+        raise RecipeError(
+            f"{source}, line {_line(root)}: the top level is {_kind(root)}, not a mapping of sections "
+            "(model:, data:, optim:, ...)"
+        )
     keys = {k.value for k, _ in root.value if isinstance(k, yaml.ScalarNode)}
     for signature, what in _LOOKS_LIKE:
         if signature <= keys:
@@ -186,8 +195,10 @@ def _check_top(root: yaml.Node | None, source: str, schema: type[BaseModel]) -> 
     if keys and not keys & set(known) and (root.flow_style or len(keys) >= 3):
         form = "a JSON object" if root.flow_style else "a mapping"
         shown = ", ".join(sorted(keys)[:6]) + (", ..." if len(keys) > 6 else "")
-        raise RecipeError(f"{source}: {form} whose keys ({shown}) are not recipe sections "
-                          f"({', '.join(known)}): is this the right file?")
+        raise RecipeError(
+            f"{source}: {form} whose keys ({shown}) are not recipe sections "
+            f"({', '.join(known)}): is this the right file?"
+        )
 
 
 class _TreeCheck:
@@ -213,21 +224,27 @@ class _TreeCheck:
         if id(node) in self._size:  # an alias: checked where its anchor is
             return self._size[id(node)]
         if len(self._path) >= _MAX_DEPTH:
-            raise RecipeError(f"{self.source}, line {_line(node)}: {key}: nested more than {_MAX_DEPTH} levels "
-                              "deep; not a recipe")
+            raise RecipeError(
+                f"{self.source}, line {_line(node)}: {key}: nested more than {_MAX_DEPTH} levels deep; not a recipe"
+            )
         self._path.add(id(node))
         size = 1 + self._children(node, key)
         self._path.discard(id(node))
         self._size[id(node)] = size
         if size > _MAX_VALUES:
-            raise RecipeError(f"{self.source}, line {_line(node)}: {key or '<root>'}: expands to more than "
-                              f"{_MAX_VALUES:,} values through YAML aliases; not a recipe")
+            raise RecipeError(
+                f"{self.source}, line {_line(node)}: {key or '<root>'}: expands to more than "
+                f"{_MAX_VALUES:,} values through YAML aliases; not a recipe"
+            )
         return size
 
     def _children(self, node: yaml.Node, key: str) -> int:
         if node.tag not in _SAFE_TAGS:
-            self.problem(node, key, f"YAML tag {node.tag.replace(_TAG, '!!')!r} is not allowed in a recipe "
-                                    "(recipes hold plain values)")
+            self.problem(
+                node,
+                key,
+                f"YAML tag {node.tag.replace(_TAG, '!!')!r} is not allowed in a recipe (recipes hold plain values)",
+            )
             return 0
         if key in self.sections and not isinstance(node, yaml.MappingNode):
             hint = "indent its keys below it, or delete the line" if _is_empty(node) else "give its keys below it"
@@ -291,5 +308,3 @@ def read_recipe_file(p: Path, source: str, schema: type[BaseModel]) -> tuple[dic
         line = f", line {mark.line + 1}" if mark is not None else ""
         raise RecipeError(f"{source}{line}: {getattr(e, 'problem', None) or e}") from None
     return data, check.lines
-
-

@@ -43,14 +43,25 @@ def backend_speed(
                 if backend == "eager":
                     eager_ms = fwd_bwd
                 rows.append(
-                    dict(op=op, shape=shape, dtype=dtype, backend=backend, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd,
-                         speedup=(eager_ms / fwd_bwd) if eager_ms else None)
+                    dict(
+                        op=op,
+                        shape=shape,
+                        dtype=dtype,
+                        backend=backend,
+                        fwd_ms=fwd,
+                        fwd_bwd_ms=fwd_bwd,
+                        speedup=(eager_ms / fwd_bwd) if eager_ms else None,
+                    )
                 )
     return rows
 
 
 def cross_entropy_peak(
-    n: int = 4096, hidden: int = 128, vocab: int = 4096, chunk_size: int | None = None, dtype: str = "fp32",
+    n: int = 4096,
+    hidden: int = 128,
+    vocab: int = 4096,
+    chunk_size: int | None = None,
+    dtype: str = "fp32",
     device: str | None = None,
 ) -> dict:
     """Peak bytes of forward+backward of the plain and the chunked cross-entropy on the same inputs."""
@@ -66,5 +77,13 @@ def cross_entropy_peak(
 
     plain = peak_bytes(step(plain_cross_entropy), device)
     chunked = peak_bytes(step(cross_entropy, chunk_size=chunk_size), device)
-    return dict(n=n, hidden=hidden, vocab=vocab, dtype=dtype, logits_bytes=n * vocab * 4,
-                plain_bytes=plain, chunked_bytes=chunked, ratio=plain / max(chunked, 1))
+    return dict(
+        n=n,
+        hidden=hidden,
+        vocab=vocab,
+        dtype=dtype,
+        logits_bytes=n * vocab * 4,
+        plain_bytes=plain,
+        chunked_bytes=chunked,
+        ratio=plain / max(chunked, 1),
+    )

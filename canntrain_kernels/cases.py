@@ -47,15 +47,15 @@ SHAPES: dict[str, Shape] = {
         # Nothing a multiple of a block: seq 37, GQA ratio 8, vocab 301.
         Shape("odd", batch=3, seq=37, hidden=48, heads=8, kv_heads=1, head_dim=8, intermediate=72, vocab=301),
         # Sliding-window attention.
-        Shape("window", batch=2, seq=40, hidden=64, heads=4, kv_heads=4, head_dim=16, intermediate=96, vocab=256,
-              window=9),
+        Shape(
+            "window", batch=2, seq=40, hidden=64, heads=4, kv_heads=4, head_dim=16, intermediate=96, vocab=256, window=9
+        ),
         # The registry's quick numerics check before "auto" picks a backend.
         Shape("verify", batch=2, seq=19, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, vocab=97),
         # The tiny llama preset at its training shape (micro-batch 8 x 128 tokens).
         Shape("tiny", batch=8, seq=128, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=384, vocab=4096),
         # A 1B-class layer (Llama-3.2-1B widths, Llama-2 vocabulary), one 2048-token sequence.
-        Shape("1b", batch=1, seq=2048, hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
-              vocab=32000),
+        Shape("1b", batch=1, seq=2048, hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=32000),
     )
 }
 

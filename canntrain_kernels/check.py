@@ -232,9 +232,17 @@ def format_table(records: Sequence[Record]) -> str:
 
     rows = [
         (
-            r.op, r.backend, r.dtype, r.shape, r.status,
-            num(r.fwd_rel, ".1e"), num(r.bwd_rel, ".1e"), num(r.tol, ".0e"),
-            num(r.fwd_ms, ".3f"), num(r.fwd_bwd_ms, ".3f"), r.reason[:60],
+            r.op,
+            r.backend,
+            r.dtype,
+            r.shape,
+            r.status,
+            num(r.fwd_rel, ".1e"),
+            num(r.bwd_rel, ".1e"),
+            num(r.tol, ".0e"),
+            num(r.fwd_ms, ".3f"),
+            num(r.fwd_bwd_ms, ".3f"),
+            r.reason[:60],
         )
         for r in records
     ]

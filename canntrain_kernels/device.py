@@ -27,7 +27,7 @@ def npu_available() -> bool:
 
 
 def device_type(prefer: str | None = None) -> str:
-    """"npu" (torch_npu importable and a device present) > "cuda" > "cpu".
+    """ "npu" (torch_npu importable and a device present) > "cuda" > "cpu".
 
     ``prefer`` (or $CANNTRAIN_DEVICE) forces one, e.g. "cpu" on a GPU host for a test; forcing a device that
     is not here raises RuntimeError.

@@ -42,9 +42,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def attention_mask(
-    s_q: int, s_k: int, causal: bool = True, window: int | None = None, device=None
-) -> torch.Tensor:
+def attention_mask(s_q: int, s_k: int, causal: bool = True, window: int | None = None, device=None) -> torch.Tensor:
     """Boolean [s_q, s_k] mask, True where query i may attend key j (queries aligned to the end)."""
     i = torch.arange(s_q, device=device)[:, None] + (s_k - s_q)
     j = torch.arange(s_k, device=device)[None, :]

@@ -137,9 +137,7 @@ class Selection:
         return f"{self.op}: {self.backend}" + (f" (skipped {why})" if why else "")
 
 
-def select(
-    op: str, backend: str = "auto", device: str | None = None, dtypes: tuple[str, ...] = ("fp32",)
-) -> Selection:
+def select(op: str, backend: str = "auto", device: str | None = None, dtypes: tuple[str, ...] = ("fp32",)) -> Selection:
     """Resolve ``backend`` (a name or "auto") for ``op`` on ``device`` to a concrete backend.
 
     "auto" takes the first backend of the device's order that is available and passes its

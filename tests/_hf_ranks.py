@@ -20,10 +20,17 @@ from canntrain_core.recipe import load_recipe
 from canntrain_core.runtime.distributed import ParallelDims
 
 LAYOUTS = {
-    "fsdp2_tp2": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3,
-                  "distributed.tensor_parallel_size": 2},
-    "pp2_fsdp2": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3,
-                  "distributed.pipeline_parallel_size": 2, "optim.grad_accum_steps": 2},
+    "fsdp2_tp2": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 3,
+        "distributed.tensor_parallel_size": 2,
+    },
+    "pp2_fsdp2": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 3,
+        "distributed.pipeline_parallel_size": 2,
+        "optim.grad_accum_steps": 2,
+    },
 }
 
 
@@ -38,8 +45,10 @@ def main(hf_dir: str, out: str) -> None:
             dims = ParallelDims.from_recipe(recipe.distributed)
             mesh = dims.build_mesh("cpu")
             built = build_training_model(recipe, model_config(recipe.model), torch.device("cpu"), mesh, dims)
-            full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                    for n, p in built.model.named_parameters()}
+            full = {
+                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in built.model.named_parameters()
+            }
             saved = {"params": full}
             if source == "hf" and built.schedule is None:
                 with torch.no_grad():

@@ -31,8 +31,14 @@ FAST = {
 # `make test-fast` (-m "not slow"): what trains a session's shared runs, launches several processes or
 # executes notebooks is slow; everything else runs in the edit loop.
 SLOW_FIXTURES = {"pretrained", "sft_run", "runs", "start", "reward_run"}
-SLOW_FILES = {"test_rlhf.py", "test_distributed.py", "test_launch.py", "test_notebooks.py", "test_setup_memory.py",
-              "test_memory_notebook.py"}
+SLOW_FILES = {
+    "test_rlhf.py",
+    "test_distributed.py",
+    "test_launch.py",
+    "test_notebooks.py",
+    "test_setup_memory.py",
+    "test_memory_notebook.py",
+}
 
 
 def pytest_configure(config):
@@ -51,8 +57,11 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if (SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in SLOW_FILES
-                or item.path.suffix == ".ipynb"):
+        if (
+            SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+            or item.path.name in SLOW_FILES
+            or item.path.suffix == ".ipynb"
+        ):
             item.add_marker(pytest.mark.slow)
 
 
@@ -72,18 +81,31 @@ def fast_recipe(data_cache):
 
 
 # ---- fine-tuning and alignment: one pretrained model and one SFT run serve every test of both
-SFT = {"train_mode": "sft", "data.seq_length": 32, "data.batch_size": 32, "data.val_fraction": 0.03,
-       "data.packing": True, "data.template.user": "{content} =", "data.template.assistant": " {content}{eos}",
-       "optim.weight_decay": 0.0, "optim.warmup_steps": 10, "logging.log_interval": 1, "logging.eval_batches": 1,
-       "logging.ckpt_interval": 10000}
+SFT = {
+    "train_mode": "sft",
+    "data.seq_length": 32,
+    "data.batch_size": 32,
+    "data.val_fraction": 0.03,
+    "data.packing": True,
+    "data.template.user": "{content} =",
+    "data.template.assistant": " {content}{eos}",
+    "optim.weight_decay": 0.0,
+    "optim.warmup_steps": 10,
+    "logging.log_interval": 1,
+    "logging.eval_batches": 1,
+    "logging.ckpt_interval": 10000,
+}
 
 
 def task_data(tmp_path, n=4000, kinds=("sort", "upper"), seed=0) -> str:
     from canntrain_core.finetune.data import write_jsonl
     from canntrain_core.finetune.tasks import task_records
 
-    return str(write_jsonl(Path(tmp_path) / f"tasks-{'-'.join(kinds)}-{n}-{seed}.jsonl",
-                           task_records(n, seed=seed, kinds=kinds)))
+    return str(
+        write_jsonl(
+            Path(tmp_path) / f"tasks-{'-'.join(kinds)}-{n}-{seed}.jsonl", task_records(n, seed=seed, kinds=kinds)
+        )
+    )
 
 
 @pytest.fixture(scope="session")
@@ -93,8 +115,17 @@ def pretrained(tmp_path_factory, data_cache):
     from canntrain_core.train.trainer import Trainer
 
     d = tmp_path_factory.mktemp("pretrained")
-    recipe = load_recipe(TINY, {**FAST, "data.tokenizer.vocab_size": 4096, "data.cache_dir": data_cache,
-                                "optim.max_steps": 60, "logging.ckpt_interval": 60, "logging.eval_interval": 60})
+    recipe = load_recipe(
+        TINY,
+        {
+            **FAST,
+            "data.tokenizer.vocab_size": 4096,
+            "data.cache_dir": data_cache,
+            "optim.max_steps": 60,
+            "logging.ckpt_interval": 60,
+            "logging.eval_interval": 60,
+        },
+    )
     Trainer(recipe, run_dir=d / "run", progress=False).fit()
     return export_hf(d / "run", d / "hf").out
 
@@ -115,10 +146,57 @@ def sft_run(pretrained, tmp_path_factory, data_cache) -> SFTRun:
 
     d = tmp_path_factory.mktemp("sft")
     tasks = task_data(d)
-    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": tasks,
-                                "data.cache_dir": data_cache, "optim.max_steps": 400, "optim.lr": 3e-3,
-                                "logging.log_interval": 50, "logging.eval_interval": 400,
-                                "logging.eval_exact_match": 64})
+    recipe = load_recipe(
+        None,
+        {
+            **SFT,
+            "model.init_from": str(pretrained),
+            "data.source": tasks,
+            "data.cache_dir": data_cache,
+            "optim.max_steps": 400,
+            "optim.lr": 3e-3,
+            "logging.log_interval": 50,
+            "logging.eval_interval": 400,
+            "logging.eval_exact_match": 64,
+        },
+    )
     trainer = make_trainer(recipe, run_dir=d / "run", progress=False)
     trainer.fit()
     return SFTRun(d / "run", export_hf(d / "run", d / "hf").out, tasks, trainer)
+
+
+def write_hf_model(path: Path, vocab: int = 300, tokenizer_vocab: int = 300, tie: bool = False, **shape):
+    """A random tiny Llama and a byte-level BPE tokenizer, written by transformers' own save_pretrained
+    (``tie``: the output head is the embedding, as in Llama 3.2 1B/3B; no lm_head.weight is written; ``shape``:
+    config fields over the default 4 layers of 128)."""
+    import torch
+    from tokenizers import pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from canntrain_core.data.tokenizer import new_byte_level_bpe
+
+    fields = dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    config = LlamaConfig(
+        **{**fields, **shape}, vocab_size=vocab, bos_token_id=None, eos_token_id=0, tie_word_embeddings=tie
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path, max_shard_size="200KB")  # several shards and an index
+    tok = new_byte_level_bpe()
+    texts = [Path(p).read_text() for p in sorted((Path(os.__file__).parent / "json").glob("*.py"))]
+    bpe = trainers.BpeTrainer(
+        vocab_size=tokenizer_vocab,
+        special_tokens=["</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, bpe)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(path)
+    return model

@@ -33,8 +33,9 @@ def _execute_and_check(self, *args, **kwargs):
     found = warnings_in(result.nb) if result.error is None else []
     if found:
         lines = "\n".join(f"cell {i}: {line}" for i, line in found)
-        result.error = NotebookError(summary=f"{len(found)} warning(s) in the output", trace=lines,
-                                     failing_cell_index=found[0][0])
+        result.error = NotebookError(
+            summary=f"{len(found)} warning(s) in the output", trace=lines, failing_cell_index=found[0][0]
+        )
     return result
 
 

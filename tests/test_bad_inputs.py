@@ -68,9 +68,20 @@ def test_installed_command_rejects_a_duplicate_key(tmp_path, data_cache):
     cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "canntrain_core.cli"]
     run = tmp_path / "run"
     proc = subprocess.run(
-        [*cmd, "train", "duplicate_key.yaml", "--run-dir", str(run), "--no-progress",
-         "--set", f"data.cache_dir={data_cache}"],
-        cwd=CASES, capture_output=True, text=True, timeout=120,
+        [
+            *cmd,
+            "train",
+            "duplicate_key.yaml",
+            "--run-dir",
+            str(run),
+            "--no-progress",
+            "--set",
+            f"data.cache_dir={data_cache}",
+        ],
+        cwd=CASES,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert "canntrain train: invalid recipe:" in proc.stderr

@@ -108,8 +108,18 @@ def test_bad_jsonl_records_are_skipped_and_counted(tmp_path):
     src.write_text('{"text": "one"}\n{"text": "broken"\n{"text": "two"}\n{"body": "no text key"}\n{"text": "three"}\n')
     with pytest.raises(DataError, match=r"mixed\.jsonl, line 2: invalid JSON.*data\.on_bad_record=skip"):
         load_corpus(str(src))
-    b = build_data(small_cfg(tmp_path / "cache", source=str(src), max_bytes=None, on_bad_record="skip",
-                             tokenizer=TokenizerConfig(vocab_size=260), seq_length=2, val_fraction=0.0), seed=0)
+    b = build_data(
+        small_cfg(
+            tmp_path / "cache",
+            source=str(src),
+            max_bytes=None,
+            on_bad_record="skip",
+            tokenizer=TokenizerConfig(vocab_size=260),
+            seq_length=2,
+            val_fraction=0.0,
+        ),
+        seed=0,
+    )
     assert b.info["corpus_documents"] == 3 and b.info["bad_records"] == 2
     examples = b.info["bad_record_examples"]
     assert len(examples) == 2
@@ -128,7 +138,9 @@ def test_bad_files_in_a_text_directory(tmp_path):
     root.mkdir()
     (root / "good.txt").write_text("plain text\n")
     (root / "latin1.txt").write_bytes("na\xefve caf\xe9\n".encode("latin-1"))
-    with pytest.raises(DataError, match=r"texts/latin1\.txt: not UTF-8 \(invalid continuation byte, byte 0xef at byte 2\)"):
+    with pytest.raises(
+        DataError, match=r"texts/latin1\.txt: not UTF-8 \(invalid continuation byte, byte 0xef at byte 2\)"
+    ):
         load_corpus(str(root))
     corpus = load_corpus(str(root), on_bad_record="skip")
     assert corpus.texts() == ["plain text\n"]
@@ -156,8 +168,14 @@ def test_jsonl_corpus_end_to_end_keeps_literal_eos_as_text(tmp_path):
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     b = build_data(
-        small_cfg(tmp_path / "cache", source=str(src), max_bytes=None, tokenizer=TokenizerConfig(vocab_size=300),
-                  seq_length=16, val_fraction=0.25),
+        small_cfg(
+            tmp_path / "cache",
+            source=str(src),
+            max_bytes=None,
+            tokenizer=TokenizerConfig(vocab_size=300),
+            seq_length=16,
+            val_fraction=0.25,
+        ),
         seed=0,
     )
     assert b.info["corpus_documents"] == 8

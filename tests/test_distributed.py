@@ -25,29 +25,57 @@ LAYOUTS = {
     "zero2_2": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 2, "data.batch_size": 4},
     "tp2": {"distributed.tensor_parallel_size": 2},
     "tp2_sp": {"distributed.tensor_parallel_size": 2, "distributed.sequence_parallel": True},
-    "pp2_gpipe": {"distributed.pipeline_parallel_size": 2, "distributed.pipeline_schedule": "gpipe",
-                  "data.batch_size": 4, "optim.grad_accum_steps": 2},
-    "pp2_1f1b": {"distributed.pipeline_parallel_size": 2, "distributed.pipeline_schedule": "1f1b",
-                 "data.batch_size": 4, "optim.grad_accum_steps": 2},
+    "pp2_gpipe": {
+        "distributed.pipeline_parallel_size": 2,
+        "distributed.pipeline_schedule": "gpipe",
+        "data.batch_size": 4,
+        "optim.grad_accum_steps": 2,
+    },
+    "pp2_1f1b": {
+        "distributed.pipeline_parallel_size": 2,
+        "distributed.pipeline_schedule": "1f1b",
+        "data.batch_size": 4,
+        "optim.grad_accum_steps": 2,
+    },
     # the registry's eager cross-entropy is the chunked one: the pipeline's loss follows the recipe
-    "pp2_chunked_loss": {"distributed.pipeline_parallel_size": 2, "data.batch_size": 4, "optim.grad_accum_steps": 2,
-                         "model.kernel_overrides": {"cross_entropy": "eager"}},
+    "pp2_chunked_loss": {
+        "distributed.pipeline_parallel_size": 2,
+        "data.batch_size": 4,
+        "optim.grad_accum_steps": 2,
+        "model.kernel_overrides": {"cross_entropy": "eager"},
+    },
     # accumulation: DDP and ZeRO-1 synchronise once per step, ZeRO-3 per micro-batch; same losses
     "dp2_accum4": {"distributed.data_parallel_size": 2, "data.batch_size": 1, "optim.grad_accum_steps": 4},
-    "zero1_accum4": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 1,
-                     "data.batch_size": 1, "optim.grad_accum_steps": 4},
-    "fsdp2_accum4": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3,
-                     "data.batch_size": 1, "optim.grad_accum_steps": 4},
-    "fsdp2_offload": {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4,
-                      "optim.offload_optimizer": True},
+    "zero1_accum4": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 1,
+        "data.batch_size": 1,
+        "optim.grad_accum_steps": 4,
+    },
+    "fsdp2_accum4": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 3,
+        "data.batch_size": 1,
+        "optim.grad_accum_steps": 4,
+    },
+    "fsdp2_offload": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 3,
+        "data.batch_size": 4,
+        "optim.offload_optimizer": True,
+    },
 }
 # FSDP2 with its MixedPrecisionPolicy (bf16 gathers, fp32 reduction and masters) against one process
 # under bf16 autocast: the same math in another rounding order. Measured here: 5.2e-4 at most over 8 steps.
 BF16 = {"model.precision": "bf16"}
 BF16_TOL = 1e-2
 FSDP4 = {"distributed.data_parallel_size": 4, "distributed.zero_optimization": 3, "data.batch_size": 2}
-FSDP2_TP2 = {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3,
-             "distributed.tensor_parallel_size": 2, "data.batch_size": 4}
+FSDP2_TP2 = {
+    "distributed.data_parallel_size": 2,
+    "distributed.zero_optimization": 3,
+    "distributed.tensor_parallel_size": 2,
+    "data.batch_size": 4,
+}
 FSDP2_TP2_SP = {**FSDP2_TP2, "distributed.sequence_parallel": True}
 TIED = {"model.overrides.tie_word_embeddings": True}
 
@@ -59,14 +87,38 @@ def losses(run_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
     out = tmp_path_factory.mktemp("dist")
-    base = {**FAST, "data.cache_dir": data_cache, "data.batch_size": 8, "optim.max_steps": 8,
-            "logging.eval_interval": 4, "logging.ckpt_interval": 100}
-    run_layouts(str(TINY), out, base, ["single={}", f"single_bf16={json.dumps(BF16)}",  # references, here
-                                       f"single_tied={json.dumps(TIED)}"])
+    base = {
+        **FAST,
+        "data.cache_dir": data_cache,
+        "data.batch_size": 8,
+        "optim.max_steps": 8,
+        "logging.eval_interval": 4,
+        "logging.ckpt_interval": 100,
+    }
+    run_layouts(
+        str(TINY),
+        out,
+        base,
+        [
+            "single={}",
+            f"single_bf16={json.dumps(BF16)}",  # references, here
+            f"single_tied={json.dumps(TIED)}",
+        ],
+    )
     log = launch_layouts(TINY, out, 2, base, {**LAYOUTS, "fsdp2_bf16": {**LAYOUTS["fsdp2"], **BF16}})
     (out / "launch2.log").write_text(log)
-    launch_layouts(TINY, out, 4, base, {"fsdp2_tp2": FSDP2_TP2, "fsdp2_tp2_sp": FSDP2_TP2_SP, "fsdp4@4": FSDP4,
-                                       "fsdp2_tp2_tied": {**FSDP2_TP2, **TIED}})
+    launch_layouts(
+        TINY,
+        out,
+        4,
+        base,
+        {
+            "fsdp2_tp2": FSDP2_TP2,
+            "fsdp2_tp2_sp": FSDP2_TP2_SP,
+            "fsdp4@4": FSDP4,
+            "fsdp2_tp2_tied": {**FSDP2_TP2, **TIED},
+        },
+    )
     step4 = out / "fsdp4" / "checkpoints" / "step_4"
     launch_layouts(TINY, out, 2, base, {f"fsdp2_from4<{step4}": LAYOUTS["fsdp2"]})
     run_layouts(str(TINY), out, base, [f"single_from4<{step4}={{}}"])
@@ -161,13 +213,21 @@ def test_fsdp2_gets_the_mixed_precision_and_offload_policies():
     from canntrain_core.recipe import load_recipe
     from canntrain_core.runtime.distributed import ParallelDims
 
-    recipe = load_recipe(TINY, {"distributed.world_size": 2, "distributed.data_parallel_size": 2,
-                                "distributed.zero_optimization": 3, "model.precision": "bf16",
-                                "optim.offload_optimizer": True})
+    recipe = load_recipe(
+        TINY,
+        {
+            "distributed.world_size": 2,
+            "distributed.data_parallel_size": 2,
+            "distributed.zero_optimization": 3,
+            "model.precision": "bf16",
+            "optim.offload_optimizer": True,
+        },
+    )
     with fake_world(2):
         dims = ParallelDims.from_recipe(recipe.distributed)
-        model, _ = build_meta_model(recipe, model_config(recipe.model, 512), torch.device("cpu"),
-                                    dims.build_mesh("cpu"), dims)
+        model, _ = build_meta_model(
+            recipe, model_config(recipe.model, 512), torch.device("cpu"), dims.build_mesh("cpu"), dims
+        )
         groups = [m._get_fsdp_state()._fsdp_param_group for m in [*model.layers(), model]]
     assert all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
     assert all(g.mp_policy.param_dtype == torch.bfloat16 and g.mp_policy.reduce_dtype == torch.float32 for g in groups)

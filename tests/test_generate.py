@@ -17,8 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from canntrain_core.checkpoint.export import export_hf
 from canntrain_core.cli import main
@@ -32,11 +38,19 @@ from conftest import SFT, task_data
 
 TOKENIZER = Path(__file__).parent / "bad_inputs" / "data" / "tiny_hf" / "tokenizer.json"  # 300 byte-level tokens
 EOS = "<|endoftext|>"
-CHATML = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-          "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-SOURCE_GENERATION = {"bos_token_id": 300, "eos_token_id": [0, 301], "pad_token_id": 301, "do_sample": True,
-                     "temperature": 0.7, "top_p": 0.9}
+CHATML = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SOURCE_GENERATION = {
+    "bos_token_id": 300,
+    "eos_token_id": [0, 301],
+    "pad_token_id": 301,
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_p": 0.9,
+}
 
 
 def write_chat_model(path: Path, template=CHATML, where: str = "jinja", generation: dict | None = None) -> Path:
@@ -45,13 +59,23 @@ def write_chat_model(path: Path, template=CHATML, where: str = "jinja", generati
     a dict, chat_template.jinja plus additional_chat_templates/ ("jinja")."""
     from tokenizers import Tokenizer
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=320, max_position_embeddings=128, bos_token_id=300,
-                         eos_token_id=0, pad_token_id=301)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=128,
+        bos_token_id=300,
+        eos_token_id=0,
+        pad_token_id=301,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(TOKENIZER)), bos_token="<s>",
-                                  eos_token=EOS, pad_token="<pad>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_file(str(TOKENIZER)), bos_token="<s>", eos_token=EOS, pad_token="<pad>"
+    )
     tok.chat_template = template
     tok.save_pretrained(path, save_jinja_files=where == "jinja")
     if generation is not None:
@@ -59,10 +83,16 @@ def write_chat_model(path: Path, template=CHATML, where: str = "jinja", generati
     return path
 
 
-@pytest.mark.parametrize("where, template", [("jinja", CHATML), ("config", CHATML),
-                                             ("jinja", {"default": CHATML, "tool_use": "{{ 'tools' }}"}),
-                                             ("config", {"default": CHATML, "tool_use": "{{ 'tools' }}"})],
-                         ids=["chat_template.jinja", "tokenizer_config.json", "named-jinja", "named-config"])
+@pytest.mark.parametrize(
+    "where, template",
+    [
+        ("jinja", CHATML),
+        ("config", CHATML),
+        ("jinja", {"default": CHATML, "tool_use": "{{ 'tools' }}"}),
+        ("config", {"default": CHATML, "tool_use": "{{ 'tools' }}"}),
+    ],
+    ids=["chat_template.jinja", "tokenizer_config.json", "named-jinja", "named-config"],
+)
 def test_a_chat_template_is_read_wherever_transformers_keeps_it(tmp_path, where, template):
     d = write_chat_model(tmp_path / "hf", template, where)
     expected = {"jinja": d / "chat_template.jinja", "config": d / "tokenizer_config.json"}[where]
@@ -86,10 +116,20 @@ def test_a_chat_template_is_read_wherever_transformers_keeps_it(tmp_path, where,
 
 
 def _sft(tmp_path, init_from, data_cache, steps=2, **extra):
-    recipe = load_recipe(None, {**SFT, "model.init_from": str(init_from), "data.source": task_data(tmp_path, 200),
-                                "data.cache_dir": data_cache, "data.batch_size": 4, "optim.max_steps": steps,
-                                "optim.warmup_steps": 1,
-                                "logging.eval_interval": steps, **extra})
+    recipe = load_recipe(
+        None,
+        {
+            **SFT,
+            "model.init_from": str(init_from),
+            "data.source": task_data(tmp_path, 200),
+            "data.cache_dir": data_cache,
+            "data.batch_size": 4,
+            "optim.max_steps": steps,
+            "optim.warmup_steps": 1,
+            "logging.eval_interval": steps,
+            **extra,
+        },
+    )
     trainer = make_trainer(recipe, run_dir=tmp_path / "run", progress=False)
     trainer.fit()
     return trainer
@@ -102,7 +142,8 @@ def test_a_run_carries_the_tokenizers_template_special_tokens_and_generation_con
     assert info["chat_template"] == str(src / "chat_template.jinja")
     ckpt = trainer.result().checkpoints[-1]
     assert {"tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(
-        json.loads((ckpt / "manifest.json").read_text())["files"])  # hashed with the rest
+        json.loads((ckpt / "manifest.json").read_text())["files"]
+    )  # hashed with the rest
     out = export_hf(tmp_path / "run", tmp_path / "out").out
 
     tok = AutoTokenizer.from_pretrained(out)
@@ -124,8 +165,9 @@ def test_data_chat_template_recipe_formats_and_exports_data_template(tmp_path, d
     _sft(tmp_path, src, data_cache, **{"data.chat_template": "recipe"})
     assert json.loads((tmp_path / "run" / "data.json").read_text())["chat_template"] == "data.template"
     tok = AutoTokenizer.from_pretrained(export_hf(tmp_path / "run", tmp_path / "out").out)
-    text = tok.apply_chat_template([{"role": "user", "content": "Sort: 3 1"}, {"role": "assistant", "content": "1 3"}],
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Sort: 3 1"}, {"role": "assistant", "content": "1 3"}], tokenize=False
+    )
     assert text == "Sort: 3 1 = 1 3" + EOS  # conftest's SFT data.template, not the tokenizer's
     assert (tok.bos_token, tok.pad_token) == ("<s>", "<pad>")  # the special tokens stay the source's
 
@@ -158,19 +200,36 @@ def test_an_sft_export_answers_with_transformers_alone_as_canntrain_generate_doe
     right = 0
     for conv, c in zip(convs, done):
         enc = fmt.encode(conv, "last")
-        ids = tok.apply_chat_template([{"role": "user", "content": conv.turns[-2][1]}], add_generation_prompt=True,
-                                      return_tensors="pt")["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": conv.turns[-2][1]}], add_generation_prompt=True, return_tensors="pt"
+        )["input_ids"]
         assert ids[0].tolist() == enc.ids[: enc.prompt_len] == c.prompt_ids
         with torch.no_grad():
-            theirs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-                                    pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+            theirs = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=12,
+                pad_token_id=tok.eos_token_id,
+            )[0, ids.shape[1] :].tolist()
         assert c.ids == theirs[: len(c.ids)] and c.ended == (tok.eos_token_id in theirs)
         assert c.text == tok.decode(theirs[: len(c.ids) - c.ended])
         right += c.text.strip() == conv.answer
     assert right >= 1, [c.text for c in done]  # the fine-tuned model answers some (0.39 exact match held out)
     # the command line prints the same answers
-    assert main(["generate", str(sft_run.run_dir), "--chat", "--max-new-tokens", "12",
-                 *[a for p in prompts for a in ("--prompt", p)]]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(sft_run.run_dir),
+                "--chat",
+                "--max-new-tokens",
+                "12",
+                *[a for p in prompts for a in ("--prompt", p)],
+            ]
+        )
+        == 0
+    )
     printed = capfd.readouterr().out
     assert all(f"[{i + 1}] {p}\n{c.text}\n" in printed for i, (p, c) in enumerate(zip(prompts, done)))
 
@@ -180,21 +239,33 @@ def test_generate_from_a_lora_run_folds_its_adapters_into_the_base(pretrained, t
     shutil.copytree(pretrained, base)
     _sft(tmp_path, base, data_cache, steps=3, **{"lora.enabled": True, "optim.lr": 3e-2})
     merged = export_hf(tmp_path / "run", tmp_path / "merged", merge=True).out
-    a = load_generator(tmp_path / "run", "cpu").generate(["Sort the digits: 3 1 2", "Uppercase: ab"], chat=True,
-                                                          max_new_tokens=6)
-    b = load_generator(merged, "cpu").generate(["Sort the digits: 3 1 2", "Uppercase: ab"], chat=True,
-                                               max_new_tokens=6)
+    a = load_generator(tmp_path / "run", "cpu").generate(
+        ["Sort the digits: 3 1 2", "Uppercase: ab"], chat=True, max_new_tokens=6
+    )
+    b = load_generator(merged, "cpu").generate(["Sort the digits: 3 1 2", "Uppercase: ab"], chat=True, max_new_tokens=6)
     assert [c.ids for c in a] == [c.ids for c in b]
     adapter = export_hf(tmp_path / "run", tmp_path / "adapter").out
     with pytest.raises(Exception, match="a peft adapter without its base"):
         load_generator(adapter, "cpu")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prompt", "x", "--system", "be brief"], "--system: a system prompt goes into the chat template; add --chat"),
-    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
-    (["--prompt", "", ], "--prompt: empty"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--prompt", "x", "--system", "be brief"],
+            "--system: a system prompt goes into the chat template; add --chat",
+        ),
+        (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+        (
+            [
+                "--prompt",
+                "",
+            ],
+            "--prompt: empty",
+        ),
+    ],
+)
 def test_generate_bad_arguments_are_one_line(pretrained, capfd, args, message):
     assert main(["generate", str(pretrained), *args]) == 2
     err = capfd.readouterr().err

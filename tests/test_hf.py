@@ -16,40 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from tokenizers import pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from canntrain_core.cli import main
 from canntrain_core.data import build_data, pretrained_tokenizer
-from canntrain_core.data.tokenizer import new_byte_level_bpe
 from canntrain_core.errors import BadInput
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.recipe import load_recipe
 from canntrain_core.train.trainer import Trainer
-from conftest import ROOT
+from conftest import ROOT, write_hf_model
 
 VOCAB = 300
 LOGITS_TOL = 1e-5  # fp32; measured 0.0 (one process) and 4.8e-7 (4 ranks)
 IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-def write_hf_model(path: Path, vocab: int = VOCAB, tokenizer_vocab: int = VOCAB, tie: bool = False) -> LlamaForCausalLM:
-    """A random tiny Llama and a byte-level BPE tokenizer, written by transformers' own save_pretrained
-    (``tie``: the output head is the embedding, as in Llama 3.2 1B/3B; no lm_head.weight is written)."""
-    config = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=0, tie_word_embeddings=tie)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(path, max_shard_size="200KB")  # several shards and an index
-    tok = new_byte_level_bpe()
-    texts = [Path(p).read_text() for p in sorted((Path(os.__file__).parent / "json").glob("*.py"))]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=tokenizer_vocab, special_tokens=["</s>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +41,20 @@ def hf_dir(tmp_path_factory):
 def recipe_from(hf_path, data_cache=None, **extra):
     keys = {"model.init_from": str(hf_path), "experiment.seed": 7}
     if data_cache:
-        keys.update({"data.cache_dir": data_cache, "data.max_bytes": 100_000, "data.seq_length": 32,
-                     "data.batch_size": 4, "optim.max_steps": 4, "optim.warmup_steps": 1,
-                     "logging.log_interval": 1, "logging.eval_interval": 4, "logging.eval_batches": 1,
-                     "logging.ckpt_interval": 4})
+        keys.update(
+            {
+                "data.cache_dir": data_cache,
+                "data.max_bytes": 100_000,
+                "data.seq_length": 32,
+                "data.batch_size": 4,
+                "optim.max_steps": 4,
+                "optim.warmup_steps": 1,
+                "logging.log_interval": 1,
+                "logging.eval_interval": 4,
+                "logging.eval_batches": 1,
+                "logging.ckpt_interval": 4,
+            }
+        )
     return load_recipe(None, {**keys, **extra})
 
 
@@ -81,8 +71,16 @@ def test_init_from_gives_the_same_logits_as_transformers(hf_dir):
 def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(hf_dir, tmp_path):
     """One torchrun launch: FSDP2 x TP2 and PP2 x FSDP2, seeded and from init_from (tests/_hf_ranks.py)."""
     path, hf = hf_dir
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "tests" / "_hf_ranks.py"), str(path), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        str(ROOT / "tests" / "_hf_ranks.py"),
+        str(path),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     recipe = load_recipe(None, {"experiment.seed": 7, "model.overrides": {"vocab_size": VOCAB}})
@@ -177,8 +175,14 @@ def test_tied_embeddings_under_pipeline_parallel_are_refused(fast_recipe):
     from canntrain_core.errors import RecipeError
     from canntrain_core.sizing.layout import check_layout
 
-    recipe = fast_recipe(**{"model.overrides.tie_word_embeddings": True, "distributed.world_size": 2,
-                            "distributed.pipeline_parallel_size": 2, "optim.grad_accum_steps": 2})
+    recipe = fast_recipe(
+        **{
+            "model.overrides.tie_word_embeddings": True,
+            "distributed.world_size": 2,
+            "distributed.pipeline_parallel_size": 2,
+            "optim.grad_accum_steps": 2,
+        }
+    )
     with pytest.raises(RecipeError, match="tie_word_embeddings cannot be split by pipeline_parallel_size"):
         check_layout(recipe, model_config(recipe.model, 512))
 
@@ -206,8 +210,11 @@ def _garble_a_header(d: Path) -> str:
     return f"{shard}: not a safetensors file"
 
 
-@pytest.mark.parametrize("damage", [_rewrite_shard_with_wrong_shape, _remove_a_shard, _garble_a_header],
-                         ids=["wrong-shape", "missing-shard", "bad-header"])
+@pytest.mark.parametrize(
+    "damage",
+    [_rewrite_shard_with_wrong_shape, _remove_a_shard, _garble_a_header],
+    ids=["wrong-shape", "missing-shard", "bad-header"],
+)
 def test_a_damaged_hf_directory_is_named(tmp_path, damage):
     write_hf_model(tmp_path)
     fragment = damage(tmp_path)

@@ -77,10 +77,14 @@ def test_auto_skips_a_backend_that_fails_its_check(monkeypatch):
 
 def test_check_flags_a_wrong_kernel():
     # silu without the gate's own factor: plausible-looking, wrong by a lot.
-    rec = check_one("swiglu", "eager", "fp32", "small", device="cpu", timing=False, fn=lambda g, u: torch.sigmoid(g) * u)
+    rec = check_one(
+        "swiglu", "eager", "fp32", "small", device="cpu", timing=False, fn=lambda g, u: torch.sigmoid(g) * u
+    )
     assert rec.status == "fail" and "tolerance" in rec.reason
     # Right forward, but the gradient of `up` is dropped (detached): only the backward check catches it.
-    rec = check_one("swiglu", "eager", "fp32", "small", device="cpu", timing=False, fn=lambda g, u: F.silu(g) * u.detach())
+    rec = check_one(
+        "swiglu", "eager", "fp32", "small", device="cpu", timing=False, fn=lambda g, u: F.silu(g) * u.detach()
+    )
     assert rec.status == "fail" and rec.fwd_rel < 1e-6
     # RMSNorm computed entirely in bf16: within fp32 tolerance? no; within bf16's? yes.
     bf16_stats = lambda x, w, eps: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731

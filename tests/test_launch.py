@@ -14,8 +14,7 @@ import pytest
 
 from canntrain_core.cli import main
 from canntrain_core.jobs.slurm import SlurmError, SlurmJob, render
-from canntrain_core.runtime.rank_table import (PLACEHOLDER_KEY, build_rank_table, check_rank_table,
-                                               load_device_ips)
+from canntrain_core.runtime.rank_table import PLACEHOLDER_KEY, build_rank_table, check_rank_table, load_device_ips
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_pretrain.sh"
@@ -29,6 +28,7 @@ def _real_ips(per_node: int = 8) -> dict[str, list[str]]:
 
 
 # --------------------------------------------------------------------------- rank table
+
 
 def test_rank_table_round_trip_via_cli(tmp_path, capsys):
     out = tmp_path / "rank_table.json"
@@ -70,14 +70,27 @@ def test_bad_generate_inputs_all_listed(tmp_path, capsys):
     del ips["10.0.0.1"]
     f = tmp_path / "ips.json"
     f.write_text(json.dumps(ips))
-    rc = main(["rank-table", "--nodes", "10.0.0.1,10.0.0.2,node3", "--devices-per-node", "8",
-               "--device-ips", str(f), "-o", str(tmp_path / "rt.json")])
+    rc = main(
+        [
+            "rank-table",
+            "--nodes",
+            "10.0.0.1,10.0.0.2,node3",
+            "--devices-per-node",
+            "8",
+            "--device-ips",
+            str(f),
+            "-o",
+            str(tmp_path / "rt.json"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and not (tmp_path / "rt.json").exists()
-    for msg in ["--nodes: 'node3' is not an IP address",
-                "--device-ips: no device IPs for node 10.0.0.1",
-                "--device-ips: node 10.0.0.2 device 7: '192.168.1.999' is not an IP address",
-                "--device-ips: node 10.0.0.9 is not in --nodes"]:
+    for msg in [
+        "--nodes: 'node3' is not an IP address",
+        "--device-ips: no device IPs for node 10.0.0.1",
+        "--device-ips: node 10.0.0.2 device 7: '192.168.1.999' is not an IP address",
+        "--device-ips: node 10.0.0.9 is not in --nodes",
+    ]:
         assert msg in err, msg
 
 
@@ -90,26 +103,40 @@ def _dev(t, s, d):
 
 
 BAD_TABLES = {
-    "duplicate rank": (lambda t: _dev(t, 1, 0).update(rank_id="0"),
-                       "server_list[1] (server_id 10.0.0.2) device[0] (device_id 0): rank_id: 0 duplicates "
-                       "server_list[0] (server_id 10.0.0.1) device[0]"),
+    "duplicate rank": (
+        lambda t: _dev(t, 1, 0).update(rank_id="0"),
+        "server_list[1] (server_id 10.0.0.2) device[0] (device_id 0): rank_id: 0 duplicates "
+        "server_list[0] (server_id 10.0.0.1) device[0]",
+    ),
     "rank gap": (lambda t: _dev(t, 1, 7).update(rank_id="20"), "no gaps; missing [15], while [20] are beyond"),
     "server_count": (lambda t: t.update(server_count="3"), "server_count: says 3 but server_list has 2 servers"),
-    "uneven devices": (lambda t: t["server_list"][1]["device"].pop(),
-                       "device counts differ across servers (server_list[0] (server_id 10.0.0.1): 8, "
-                       "server_list[1] (server_id 10.0.0.2): 7)"),
-    "bad server_id": (lambda t: t["server_list"][1].update(server_id="10.0.0.300"),
-                      "server_list[1] (server_id 10.0.0.300): server_id: '10.0.0.300' is not an IP address"),
-    "bad device_ip": (lambda t: _dev(t, 0, 2).update(device_ip="npu2"),
-                      "server_list[0] (server_id 10.0.0.1) device[2] (device_id 2): device_ip: 'npu2' is not an IP"),
-    "duplicate device_ip": (lambda t: _dev(t, 1, 0).update(device_ip=_dev(t, 0, 0)["device_ip"]),
-                            "device_ip: 192.168.100.1 already used by server_list[0]"),
-    "duplicate device_id": (lambda t: _dev(t, 0, 5).update(device_id="4"),
-                            "device[5] (device_id 4): device_id: 4 duplicates device[4] on the same server"),
+    "uneven devices": (
+        lambda t: t["server_list"][1]["device"].pop(),
+        "device counts differ across servers (server_list[0] (server_id 10.0.0.1): 8, "
+        "server_list[1] (server_id 10.0.0.2): 7)",
+    ),
+    "bad server_id": (
+        lambda t: t["server_list"][1].update(server_id="10.0.0.300"),
+        "server_list[1] (server_id 10.0.0.300): server_id: '10.0.0.300' is not an IP address",
+    ),
+    "bad device_ip": (
+        lambda t: _dev(t, 0, 2).update(device_ip="npu2"),
+        "server_list[0] (server_id 10.0.0.1) device[2] (device_id 2): device_ip: 'npu2' is not an IP",
+    ),
+    "duplicate device_ip": (
+        lambda t: _dev(t, 1, 0).update(device_ip=_dev(t, 0, 0)["device_ip"]),
+        "device_ip: 192.168.100.1 already used by server_list[0]",
+    ),
+    "duplicate device_id": (
+        lambda t: _dev(t, 0, 5).update(device_id="4"),
+        "device[5] (device_id 4): device_id: 4 duplicates device[4] on the same server",
+    ),
     "status": (lambda t: t.update(status="initializing"), "status: must be 'completed'"),
     "version": (lambda t: t.update(version="2.0"), "version: must be one of ['1.0'], got '2.0'"),
-    "rank not a number": (lambda t: _dev(t, 0, 1).update(rank_id="one"),
-                          "device[1] (device_id 1): rank_id: must be a non-negative integer, got 'one'"),
+    "rank not a number": (
+        lambda t: _dev(t, 0, 1).update(rank_id="one"),
+        "device[1] (device_id 1): rank_id: must be a non-negative integer, got 'one'",
+    ),
 }
 
 
@@ -155,21 +182,45 @@ def test_rank_table_cli_usage_errors(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- slurm
 
+
 def test_slurm_render(tmp_path, capsys):
     out = tmp_path / "job.sbatch"
-    assert main(["slurm", str(R70B), "--nodes", "4", "--partition", "ascend", "--time", "12:00:00",
-                 "--set", "optim.lr=2e-4", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "slurm",
+                str(R70B),
+                "--nodes",
+                "4",
+                "--partition",
+                "ascend",
+                "--time",
+                "12:00:00",
+                "--set",
+                "optim.lr=2e-4",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     header = [ln for ln in text.splitlines()[1:] if ln.strip()][:12]
     sbatch = [ln for ln in header if ln.startswith("#SBATCH")]
-    for line in ["#SBATCH --job-name=llama2_70b_pretrain", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --gres=npu:8", "#SBATCH --partition=ascend", "#SBATCH --time=12:00:00"]:
+    for line in [
+        "#SBATCH --job-name=llama2_70b_pretrain",
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gres=npu:8",
+        "#SBATCH --partition=ascend",
+        "#SBATCH --time=12:00:00",
+    ]:
         assert line in sbatch, line
     # every #SBATCH line comes before the first command, or sbatch ignores it
     first_cmd = next(i for i, ln in enumerate(text.splitlines()) if ln and not ln.startswith("#"))
     assert all(i < first_cmd for i, ln in enumerate(text.splitlines()) if ln.startswith("#SBATCH"))
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
-    assert "exec scripts/run_pretrain.sh --node_rank \"$SLURM_NODEID\" \"$@\"'" in text  # per-task expansion
+    assert 'exec scripts/run_pretrain.sh --node_rank "$SLURM_NODEID" "$@"\'' in text  # per-task expansion
     assert '--nnodes "$SLURM_NNODES"' in text and "--nproc_per_node 8" in text
     assert f"--config {R70B}" in text and "--set optim.lr=2e-4" in text
     assert "@@" not in text
@@ -199,24 +250,36 @@ def test_slurm_bad_recipe(capsys):
 
 # --------------------------------------------------------------------------- run_pretrain.sh
 
+
 def _script(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, cwd=ROOT)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    ((), "--config FILE is required"),
-    (("--config",), "--config needs a value"),
-    (("--config", str(TINY), "--epochs", "3"), "unknown argument '--epochs'"),
-    (("--config", "no/such.yaml"), "--config: no such recipe file: no/such.yaml"),
-    (("--config", str(TINY), "--nnodes", "2", "--master_addr", "10.0.0.1"), "--nnodes 2 needs --node_rank"),
-    (("--config", str(TINY), "--nnodes", "2", "--node_rank", "0"), "--nnodes 2 needs --master_addr"),
-    (("--config", str(TINY), "--nnodes", "2", "--node_rank", "2", "--master_addr", "h"),
-     "--node_rank must be 0..1 for --nnodes 2, got '2'"),
-    (("--config", str(TINY), "--nproc_per_node", "0"), "--nproc_per_node must be a positive integer"),
-    (("--config", str(TINY), "--master_port", "70000"), "--master_port must be 1..65535"),
-    (("--config", str(TINY), "--set", "optim.lr"), "--set expects KEY=VALUE, got 'optim.lr'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "--config FILE is required"),
+        (("--config",), "--config needs a value"),
+        (("--config", str(TINY), "--epochs", "3"), "unknown argument '--epochs'"),
+        (("--config", "no/such.yaml"), "--config: no such recipe file: no/such.yaml"),
+        (("--config", str(TINY), "--nnodes", "2", "--master_addr", "10.0.0.1"), "--nnodes 2 needs --node_rank"),
+        (("--config", str(TINY), "--nnodes", "2", "--node_rank", "0"), "--nnodes 2 needs --master_addr"),
+        (
+            ("--config", str(TINY), "--nnodes", "2", "--node_rank", "2", "--master_addr", "h"),
+            "--node_rank must be 0..1 for --nnodes 2, got '2'",
+        ),
+        (("--config", str(TINY), "--nproc_per_node", "0"), "--nproc_per_node must be a positive integer"),
+        (("--config", str(TINY), "--master_port", "70000"), "--master_port must be 1..65535"),
+        (("--config", str(TINY), "--set", "optim.lr"), "--set expects KEY=VALUE, got 'optim.lr'"),
+    ],
+)
 def test_run_pretrain_rejects_bad_arguments(args, message):
     r = _script(*args)
     assert r.returncode == 2
@@ -226,9 +289,19 @@ def test_run_pretrain_rejects_bad_arguments(args, message):
 def test_failing_rank_ends_job_naming_rank(tmp_path):
     """Rank 1 raises; rank 0 would sleep 300 s: torchrun must stop it and the script name rank 1."""
     start = time.monotonic()
-    r = _script("--config", str(TINY), "--nproc_per_node", "2", timeout=120,
-                env={"CANNTRAIN_DEVICE": "cpu", "RUN_PRETRAIN_TARGET": str(ROOT / "tests" / "_fail_rank.py"),
-                     "FAIL_RANK_SLEEP": "300", "TMPDIR": str(tmp_path)})
+    r = _script(
+        "--config",
+        str(TINY),
+        "--nproc_per_node",
+        "2",
+        timeout=120,
+        env={
+            "CANNTRAIN_DEVICE": "cpu",
+            "RUN_PRETRAIN_TARGET": str(ROOT / "tests" / "_fail_rank.py"),
+            "FAIL_RANK_SLEEP": "300",
+            "TMPDIR": str(tmp_path),
+        },
+    )
     elapsed = time.monotonic() - start
     assert r.returncode == 1, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
@@ -245,12 +318,27 @@ def test_npu_launch_exports_rank_table_and_hccl_env(tmp_path):
     value already in the environment wins over the default."""
     rt = tmp_path / "rank_table.json"
     assert main(["rank-table", "--nodes", "127.0.0.1", "--devices-per-node", "1", "-o", str(rt)]) == 0
-    env = {"CANNTRAIN_DEVICE": "npu", "RUN_PRETRAIN_TARGET": str(ROOT / "tests" / "_fail_rank.py"),
-           "FAIL_RANK": "-1", "HCCL_EXEC_TIMEOUT": "600", "TMPDIR": str(tmp_path)}
+    env = {
+        "CANNTRAIN_DEVICE": "npu",
+        "RUN_PRETRAIN_TARGET": str(ROOT / "tests" / "_fail_rank.py"),
+        "FAIL_RANK": "-1",
+        "HCCL_EXEC_TIMEOUT": "600",
+        "TMPDIR": str(tmp_path),
+    }
     for k in ("RANK_TABLE_FILE", "HCCL_CONNECT_TIMEOUT", "ASCEND_GLOBAL_LOG_LEVEL", "PYTORCH_NPU_ALLOC_CONF"):
         env[k] = os.environ.get(k, "")  # start from a clean slate (an empty value counts as unset)
-    r = _script("--config", str(TINY), "--nproc_per_node", "1", "--rank_table", os.path.relpath(rt, ROOT),
-                "--set", "optim.lr=1e-3", env=env, timeout=90)
+    r = _script(
+        "--config",
+        str(TINY),
+        "--nproc_per_node",
+        "1",
+        "--rank_table",
+        os.path.relpath(rt, ROOT),
+        "--set",
+        "optim.lr=1e-3",
+        env=env,
+        timeout=90,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     line = next(ln for ln in r.stdout.splitlines() if "LAUNCH_ENV " in ln)
     seen = json.loads(line.split("LAUNCH_ENV ", 1)[1])
@@ -269,13 +357,33 @@ def test_npu_launch_exports_rank_table_and_hccl_env(tmp_path):
 
 def test_expected_failure_under_torchrun_reaches_the_launchers_summary(tmp_path):
     """A rank's expected failure is one line on its stderr, and torchrun's failure summary shows that line."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "canntrain_core.cli", "train", str(TINY), "--run-dir", str(tmp_path / "run"),
-           "--set", "distributed.world_size=4", "--set", "distributed.data_parallel_size=4"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "CANNTRAIN_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "canntrain_core.cli",
+        "train",
+        str(TINY),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "distributed.world_size=4",
+        "--set",
+        "distributed.data_parallel_size=4",
+    ]
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "CANNTRAIN_DEVICE": "cpu", "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 1, r.stdout + r.stderr  # torchrun's own code for a failed child
     line = "canntrain train: distributed.world_size=4 but this job has 2 process(es) (WORLD_SIZE)"
-    summary = r.stderr[r.stderr.index("Root Cause"):]
+    summary = r.stderr[r.stderr.index("Root Cause") :]
     assert line in summary and "exitcode  : 2" in summary, r.stderr[-3000:]
     assert not (tmp_path / "run").exists()

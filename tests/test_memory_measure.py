@@ -19,8 +19,11 @@ CASES = {
     "7b-2L-bf16": ("llama2-7b", 2, dict(micro_batch=1, seq_length=4096)),
     "7b-2L-bf16-full-recompute": ("llama2-7b", 2, dict(micro_batch=2, seq_length=4096, recompute="full")),
     "7b-2L-fsdp8": ("llama2-7b", 2, dict(micro_batch=1, seq_length=4096, dp=8, zero=3)),
-    "7b-2L-tp2": ("llama2-7b", 2, dict(micro_batch=1, seq_length=2048, tp=2, sequence_parallel=False,
-                                         vocab_parallel=False)),
+    "7b-2L-tp2": (
+        "llama2-7b",
+        2,
+        dict(micro_batch=1, seq_length=2048, tp=2, sequence_parallel=False, vocab_parallel=False),
+    ),
     "7b-2L-fp32-accum2": ("llama2-7b", 2, dict(micro_batch=1, seq_length=1024, precision="fp32", grad_accum=2)),
 }
 

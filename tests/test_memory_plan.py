@@ -67,9 +67,18 @@ def test_estimate_cli_json_has_bytes_per_category_per_method(tmp_path, capsys):
 
 
 def test_oom_hint_names_a_change_that_fits():
-    recipe = load_recipe(None, {"model.preset": "llama2-7b", "model.precision": "bf16", "data.batch_size": 8,
-                                "data.seq_length": 4096, "distributed.world_size": 8,
-                                "distributed.data_parallel_size": 8, "distributed.zero_optimization": 3})
+    recipe = load_recipe(
+        None,
+        {
+            "model.preset": "llama2-7b",
+            "model.precision": "bf16",
+            "data.batch_size": 8,
+            "data.seq_length": 4096,
+            "distributed.world_size": 8,
+            "distributed.data_parallel_size": 8,
+            "distributed.zero_optimization": 3,
+        },
+    )
     hint = oom_hint(recipe, 64 * GiB, shape_from_recipe(recipe))
     assert "against 64.00 GiB" in hint
     assert "try: --set model.activation_checkpointing=" in hint

@@ -22,25 +22,44 @@ def test_rank_coordinates_match_init_device_mesh():
 def test_zero_stage_picks_shard_or_replicate():
     d = load_recipe(None, {"distributed.world_size": 4, "distributed.data_parallel_size": 4}).distributed
     assert ParallelDims.from_recipe(d) == ParallelDims(pp=1, dp_replicate=4, dp_shard=1, cp=1, tp=1)
-    d = load_recipe(None, {"distributed.world_size": 4, "distributed.data_parallel_size": 4,
-                           "distributed.zero_optimization": 3}).distributed
+    d = load_recipe(
+        None, {"distributed.world_size": 4, "distributed.data_parallel_size": 4, "distributed.zero_optimization": 3}
+    ).distributed
     assert ParallelDims.from_recipe(d).dp_shard == 4
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"distributed.world_size": 8, "distributed.tensor_parallel_size": 8},
-     "tensor_parallel_size=8 must divide the model's 4 attention heads"),
-    ({"distributed.world_size": 8, "distributed.pipeline_parallel_size": 8, "optim.grad_accum_steps": 8},
-     "pipeline_parallel_size=8 exceeds the model's 4 layers"),
-    ({"distributed.world_size": 2, "distributed.pipeline_parallel_size": 2},
-     "pipeline_parallel_size=2 needs at least 2 micro-batches per step, got 1"),
-    ({"optim.offload_optimizer": True}, "optim.offload_optimizer needs FSDP2"),
-    ({"distributed.world_size": 4, "distributed.tensor_parallel_size": 2, "distributed.data_parallel_size": 2},
-     "zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported"),
-    ({"distributed.world_size": 2, "distributed.context_parallel_size": 2}, "context_parallel_size > 1"),
-    ({"distributed.world_size": 4, "distributed.tensor_parallel_size": 2, "distributed.pipeline_parallel_size": 2,
-      "distributed.sequence_parallel": True}, "sequence_parallel with pipeline_parallel_size > 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"distributed.world_size": 8, "distributed.tensor_parallel_size": 8},
+            "tensor_parallel_size=8 must divide the model's 4 attention heads",
+        ),
+        (
+            {"distributed.world_size": 8, "distributed.pipeline_parallel_size": 8, "optim.grad_accum_steps": 8},
+            "pipeline_parallel_size=8 exceeds the model's 4 layers",
+        ),
+        (
+            {"distributed.world_size": 2, "distributed.pipeline_parallel_size": 2},
+            "pipeline_parallel_size=2 needs at least 2 micro-batches per step, got 1",
+        ),
+        ({"optim.offload_optimizer": True}, "optim.offload_optimizer needs FSDP2"),
+        (
+            {"distributed.world_size": 4, "distributed.tensor_parallel_size": 2, "distributed.data_parallel_size": 2},
+            "zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported",
+        ),
+        ({"distributed.world_size": 2, "distributed.context_parallel_size": 2}, "context_parallel_size > 1"),
+        (
+            {
+                "distributed.world_size": 4,
+                "distributed.tensor_parallel_size": 2,
+                "distributed.pipeline_parallel_size": 2,
+                "distributed.sequence_parallel": True,
+            },
+            "sequence_parallel with pipeline_parallel_size > 1",
+        ),
+    ],
+)
 def test_invalid_layouts_name_the_key(overrides, message):
     # what needs no model is refused by load_recipe already, the rest by the trainer's check
     with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -48,8 +67,15 @@ def test_invalid_layouts_name_the_key(overrides, message):
 
 
 def test_tp_across_nodes_needs_consent():
-    recipe = load_recipe(None, {"model.preset": "llama2-70b", "distributed.world_size": 16,
-                                "distributed.tensor_parallel_size": 16, "distributed.zero_optimization": 1})
+    recipe = load_recipe(
+        None,
+        {
+            "model.preset": "llama2-70b",
+            "distributed.world_size": 16,
+            "distributed.tensor_parallel_size": 16,
+            "distributed.zero_optimization": 1,
+        },
+    )
     with pytest.raises(RecipeError, match="spans nodes of 8 devices"):
         check_layout(recipe, build_config("llama2-70b"), devices_per_node=8)
     recipe.distributed.allow_cross_node_tp = True

@@ -31,15 +31,25 @@ def test_parameters_cell_first_and_no_outputs(path):
 
 
 def _canntrain(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "canntrain_core.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "canntrain_core.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_papermill_quickstart_run_dir_is_complete(tmp_path):
     run_dir = tmp_path / "quick"
-    proc = _canntrain("run", "cookbook/00_quickstart.ipynb", "-p", "max_steps", "40",
-                      "-p", "overrides", "{logging.eval_interval: 20, logging.ckpt_interval: 20}",
-                      "--run-dir", str(run_dir))
+    proc = _canntrain(
+        "run",
+        "cookbook/00_quickstart.ipynb",
+        "-p",
+        "max_steps",
+        "40",
+        "-p",
+        "overrides",
+        "{logging.eval_interval: 20, logging.ckpt_interval: 20}",
+        "--run-dir",
+        str(run_dir),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "00_quickstart.ipynb").is_file()
     assert (run_dir / "recipe.resolved.yaml").is_file() and (run_dir / "plots" / "loss.png").is_file()
@@ -56,11 +66,13 @@ def test_papermill_quickstart_run_dir_is_complete(tmp_path):
 
 
 def test_failing_cell_is_named(tmp_path):
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell("y = 2"),
-        nbformat.v4.new_code_cell("raise ValueError('the data path is wrong')"),
-    ])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]}),
+            nbformat.v4.new_code_cell("y = 2"),
+            nbformat.v4.new_code_cell("raise ValueError('the data path is wrong')"),
+        ]
+    )
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     path = tmp_path / "broken.ipynb"
     nbformat.write(nb, path)
@@ -72,10 +84,21 @@ def test_failing_cell_is_named(tmp_path):
 
 def test_notebook_runs_once_per_rank_under_torchrun(tmp_path):
     run_dir = tmp_path / "ranks"
-    proc = _canntrain("run", "cookbook/00_quickstart.ipynb", "--nproc_per_node", "2", "--run-dir", str(run_dir),
-                      "-p", "max_steps", "4",
-                      "-p", "overrides", "{distributed.world_size: 2, distributed.data_parallel_size: 2, "
-                      "data.batch_size: 4, logging.log_interval: 1, logging.eval_batches: 1}")
+    proc = _canntrain(
+        "run",
+        "cookbook/00_quickstart.ipynb",
+        "--nproc_per_node",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "-p",
+        "max_steps",
+        "4",
+        "-p",
+        "overrides",
+        "{distributed.world_size: 2, distributed.data_parallel_size: 2, "
+        "data.batch_size: 4, logging.log_interval: 1, logging.eval_batches: 1}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "00_quickstart.ipynb").is_file() and (run_dir / "ranks" / "rank1.ipynb").is_file()
     rows = read_metrics(run_dir)  # written once, by rank 0, for the two-rank job

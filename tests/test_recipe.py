@@ -21,7 +21,10 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_cookbook_recipes_load(path):
     recipe = load_recipe(path)
     d = recipe.distributed
-    assert d.tensor_parallel_size * d.pipeline_parallel_size * d.data_parallel_size * d.context_parallel_size == d.world_size
+    assert (
+        d.tensor_parallel_size * d.pipeline_parallel_size * d.data_parallel_size * d.context_parallel_size
+        == d.world_size
+    )
 
 
 def test_seeds_7b_global_batch_is_derived():
@@ -110,7 +113,9 @@ def test_resolved_recipe_round_trips(tmp_path):
 
 
 def test_duplicate_keys_are_all_reported_with_both_lines(tmp_path):
-    p = write(tmp_path, "optim:\n  lr: 1.0e-3\n  max_steps: 5\n  lr: 2.0e-3\ndata:\n  seq_length: 8\n  seq_length: 16\n")
+    p = write(
+        tmp_path, "optim:\n  lr: 1.0e-3\n  max_steps: 5\n  lr: 2.0e-3\ndata:\n  seq_length: 8\n  seq_length: 16\n"
+    )
     with pytest.raises(RecipeError) as e:
         load_recipe(p)
     msg = str(e.value)
@@ -119,8 +124,11 @@ def test_duplicate_keys_are_all_reported_with_both_lines(tmp_path):
 
 
 def test_merge_keys_may_be_overridden(tmp_path):
-    p = write(tmp_path, "experiment:\n  name: base\ndata: &d\n  seq_length: 32\n  batch_size: 2\n"
-                        "optim:\n  lr: 1.0e-3\nlogging:\n  log_interval: 5\n  <<: {eval_interval: 7, log_interval: 9}\n")
+    p = write(
+        tmp_path,
+        "experiment:\n  name: base\ndata: &d\n  seq_length: 32\n  batch_size: 2\n"
+        "optim:\n  lr: 1.0e-3\nlogging:\n  log_interval: 5\n  <<: {eval_interval: 7, log_interval: 9}\n",
+    )
     recipe = load_recipe(p)
     assert recipe.logging.log_interval == 5 and recipe.logging.eval_interval == 7
     # The lines still point where keys are written, not where they were merged from.

@@ -3,9 +3,9 @@ layout the trainer accepts and the planner ranks among its best (step time withi
 plan that also leaves 10 % to spare, for the same model, devices, global batch and precision).
 
 Measured: 7b_pretrain 31.7 GiB of 64 (0.1 % off the best plan), 70b_pretrain 49.6 GiB (the best),
-7b_sft 39.0 GiB, 7b_lora 54.9 GiB (both with LLaMA-2's 32,000-token vocabulary). Alignment recipes hold several models, which the
-planner does not model: their trained and scorer ranks fit by ``memory.alignment`` (7b_ppo: 32.9 GiB on
-a trained rank, 28.8 GiB on a scorer rank).
+7b_sft 39.0 GiB, 7b_lora 54.9 GiB (both with LLaMA-2's 32,000-token vocabulary). Alignment recipes hold several
+models, which the planner does not model: their trained and scorer ranks fit by ``memory.alignment``
+(7b_ppo: 32.9 GiB on a trained rank, 28.8 GiB on a scorer rank).
 """
 
 from dataclasses import replace
@@ -20,8 +20,9 @@ from canntrain_core.sizing.layout import Layout, check_layout, layout_problems
 from canntrain_core.sizing.plan import search, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETED = [p for p in sorted(ROOT.glob("cookbook/*/configs/*.yaml"))
-            if load_recipe(p).distributed.target_device is not None]
+TARGETED = [
+    p for p in sorted(ROOT.glob("cookbook/*/configs/*.yaml")) if load_recipe(p).distributed.target_device is not None
+]
 DEVICES_PER_NODE = 8
 
 
@@ -44,8 +45,22 @@ def test_recipe_fits_its_device_in_a_layout_the_planner_ranks_among_its_best(pat
     assert est.total <= 0.9 * dev.memory_bytes, f"{est.total / 2**30:.1f} GiB"
     mine = sum(step_time(shape, setup, dev, DEVICES_PER_NODE, recipe.global_batch_size).values())
     mine_layout = Layout.from_recipe(recipe)  # packing and LoRA rule some layouts out: the planner knows neither
-    plans = [p for p in search(shape, recipe.distributed.world_size, dev, DEVICES_PER_NODE, recipe.global_batch_size,
-                               setup, memory_bytes=0.9 * dev.memory_bytes)
-             if p.fits and not layout_problems(replace(Layout.from_setup(p.setup), packing=mine_layout.packing,
-                                                       lora=mine_layout.lora), shape, DEVICES_PER_NODE)]
+    plans = [
+        p
+        for p in search(
+            shape,
+            recipe.distributed.world_size,
+            dev,
+            DEVICES_PER_NODE,
+            recipe.global_batch_size,
+            setup,
+            memory_bytes=0.9 * dev.memory_bytes,
+        )
+        if p.fits
+        and not layout_problems(
+            replace(Layout.from_setup(p.setup), packing=mine_layout.packing, lora=mine_layout.lora),
+            shape,
+            DEVICES_PER_NODE,
+        )
+    ]
     assert mine <= 1.02 * plans[0].step_time, (mine, plans[0].label(), plans[0].step_time)

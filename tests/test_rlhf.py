@@ -48,8 +48,13 @@ def test_cached_generation_of_left_padded_prompts_equals_one_prompt_at_a_time():
 
 
 # ---------------------------------------------------------------- the stages on the fine-tuned tiny model
-TEMPLATE = {"data.seq_length": 32, "data.template.user": "{content} =", "data.template.assistant": " {content}{eos}",
-            "optim.weight_decay": 0.0, "logging.log_interval": 1}
+TEMPLATE = {
+    "data.seq_length": 32,
+    "data.template.user": "{content} =",
+    "data.template.assistant": " {content}{eos}",
+    "optim.weight_decay": 0.0,
+    "logging.log_interval": 1,
+}
 TIMING = ("timing_s/", "tokens_per_second", "step_time")
 
 
@@ -69,9 +74,16 @@ def start():
 @pytest.fixture(scope="module")
 def reward_run(start) -> Path:
     """``rlhf_ppo.ipynb``'s reward model."""
-    recipe = load_recipe(CONFIGS / "tiny_reward.yaml", {
-        "model.init_from": str(start.sft_hf), "data.source": str(start.pairs), "optim.max_steps": REWARD_STEPS,
-        "logging.eval_interval": REWARD_STEPS, "logging.ckpt_interval": REWARD_STEPS})
+    recipe = load_recipe(
+        CONFIGS / "tiny_reward.yaml",
+        {
+            "model.init_from": str(start.sft_hf),
+            "data.source": str(start.pairs),
+            "optim.max_steps": REWARD_STEPS,
+            "logging.eval_interval": REWARD_STEPS,
+            "logging.ckpt_interval": REWARD_STEPS,
+        },
+    )
     return trained(recipe, WORKDIR, "reward").run_dir
 
 
@@ -83,11 +95,26 @@ def test_the_reward_model_orders_held_out_pairs_well_above_chance(reward_run):
 
 
 def _ppo(start, reward_run, data_cache, **extra) -> dict:
-    return {**TEMPLATE, "train_mode": "ppo", "model.init_from": str(start.sft_hf), "data.source": str(start.prompts),
-            "data.cache_dir": data_cache, "data.batch_size": 8, "data.val_fraction": 0.03, "optim.lr": 1e-4,
-            "optim.warmup_steps": 0, "optim.max_steps": 4, "logging.eval_interval": 2, "logging.eval_exact_match": 8,
-            "logging.ckpt_interval": 2, "rlhf.generate_max_length": 12, "rlhf.mini_batch_size": 4,
-            "rlhf.ppo_epochs": 2, "rlhf.reward_model": str(reward_run), **extra}
+    return {
+        **TEMPLATE,
+        "train_mode": "ppo",
+        "model.init_from": str(start.sft_hf),
+        "data.source": str(start.prompts),
+        "data.cache_dir": data_cache,
+        "data.batch_size": 8,
+        "data.val_fraction": 0.03,
+        "optim.lr": 1e-4,
+        "optim.warmup_steps": 0,
+        "optim.max_steps": 4,
+        "logging.eval_interval": 2,
+        "logging.eval_exact_match": 8,
+        "logging.ckpt_interval": 2,
+        "rlhf.generate_max_length": 12,
+        "rlhf.mini_batch_size": 4,
+        "rlhf.ppo_epochs": 2,
+        "rlhf.reward_model": str(reward_run),
+        **extra,
+    }
 
 
 def test_ppo_resume_is_bit_exact_and_resident_memory_is_the_estimate(start, reward_run, tmp_path, data_cache):
@@ -108,8 +135,9 @@ def test_ppo_resume_is_bit_exact_and_resident_memory_is_the_estimate(start, rewa
 
 def test_separated_placement_on_its_own_rank_matches_shared(start, reward_run, tmp_path, data_cache):
     base = _ppo(start, reward_run, data_cache, **{"optim.max_steps": 3, "logging.ckpt_interval": 3})
-    launch_layouts(TINY, tmp_path, 2, base, {"separated": {"rlhf.device_placement": "separated",
-                                                           "distributed.world_size": 1}})
+    launch_layouts(
+        TINY, tmp_path, 2, base, {"separated": {"rlhf.device_placement": "separated", "distributed.world_size": 1}}
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each torchrun process: the same reduction order, the same samples
     try:
@@ -123,7 +151,6 @@ def test_separated_placement_on_its_own_rank_matches_shared(start, reward_run, t
             assert separated[step][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
 
 
-
 def _mean(rows: list[float]) -> float:
     return sum(rows) / len(rows)
 
@@ -133,8 +160,14 @@ def test_grpo_and_ppo_raise_the_true_score(stage, start):
     """From the 100-step SFT model, on sort prompts, rewarded by the checker: the shipped tiny recipes as
     ``grpo.ipynb`` and ``rlhf_ppo.ipynb`` run them. Measured (mean true score of the 64 sampled answers per
     iteration, first -> last 6 iterations, of 30 for GRPO, 20 for PPO): GRPO 0.374 -> 0.439, PPO 0.349 -> 0.436."""
-    recipe = load_recipe(CONFIGS / f"tiny_{stage}.yaml", {
-        "model.init_from": str(start.sft_hf), "data.source": str(start.prompts), "optim.max_steps": ONLINE_STEPS[stage]})
+    recipe = load_recipe(
+        CONFIGS / f"tiny_{stage}.yaml",
+        {
+            "model.init_from": str(start.sft_hf),
+            "data.source": str(start.prompts),
+            "optim.max_steps": ONLINE_STEPS[stage],
+        },
+    )
     run = trained(recipe, WORKDIR, {"grpo": "grpo", "ppo": "ppo_true"}[stage]).run_dir
     scores = [r["true_score/mean"] for r in read_metrics(run) if "true_score/mean" in r]
     assert len(scores) == ONLINE_STEPS[stage]
@@ -142,9 +175,17 @@ def test_grpo_and_ppo_raise_the_true_score(stage, start):
 
 
 def test_dpo_moves_the_held_out_margins(start, tmp_path, data_cache):
-    recipe = load_recipe(CONFIGS / "tiny_dpo.yaml", {
-        "model.init_from": str(start.sft_hf), "data.source": str(start.pairs), "data.cache_dir": data_cache,
-        "optim.max_steps": 30, "logging.eval_interval": 30, "logging.ckpt_interval": 30})
+    recipe = load_recipe(
+        CONFIGS / "tiny_dpo.yaml",
+        {
+            "model.init_from": str(start.sft_hf),
+            "data.source": str(start.pairs),
+            "data.cache_dir": data_cache,
+            "optim.max_steps": 30,
+            "logging.eval_interval": 30,
+            "logging.ckpt_interval": 30,
+        },
+    )
     make_trainer(recipe, run_dir=tmp_path / "dpo", progress=False).fit()
     first, last = (r for r in read_metrics(tmp_path / "dpo") if "val_rewards/accuracies" in r)
     assert first["val_rewards/accuracies"] == 0.0 and first["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -158,17 +199,37 @@ def test_canntrain_start_makes_what_the_tiny_recipes_read(start, tmp_path, data_
     import sys
 
     def canntrain(*args):
-        return subprocess.run([sys.executable, "-m", "canntrain_core.cli", *args], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "canntrain_core.cli", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     made = canntrain("start", "--cache", str(WORKDIR))  # the start the fixture made: nothing retrains
     assert made.returncode == 0, made.stderr[-2000:]
     assert {p.name for p in (tmp_path / "runs").iterdir()} >= {
-        "tiny_pretrained_hf", "tiny_sft_hf", "tasks.jsonl", "prompts.jsonl", "pairs.jsonl"}
+        "tiny_pretrained_hf",
+        "tiny_sft_hf",
+        "tasks.jsonl",
+        "prompts.jsonl",
+        "pairs.jsonl",
+    }
     for recipe in ("tiny_sft.yaml", "tiny_grpo.yaml"):
-        run = canntrain("train", str(CONFIGS / recipe), "--no-progress", "--run-dir", f"runs/{recipe}",
-                        "--set", "optim.max_steps=1", "--set", "logging.eval_exact_match=8",
-                        "--set", f"data.cache_dir={data_cache}")
+        run = canntrain(
+            "train",
+            str(CONFIGS / recipe),
+            "--no-progress",
+            "--run-dir",
+            f"runs/{recipe}",
+            "--set",
+            "optim.max_steps=1",
+            "--set",
+            "logging.eval_exact_match=8",
+            "--set",
+            f"data.cache_dir={data_cache}",
+        )
         assert run.returncode == 0, run.stderr[-2000:]
     again = canntrain("start", "--cache", str(WORKDIR))
     assert again.returncode == 0 and again.stdout.count("exists, kept") == 5

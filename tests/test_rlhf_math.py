@@ -26,8 +26,17 @@ import pytest
 import torch
 
 from canntrain_core.losses import (
-    aggregate, clipped_policy_loss, clipped_value_loss, dpo_loss, gae, group_advantages, kl_penalty, masked_mean,
-    masked_var, masked_whiten, pairwise_reward_loss,
+    aggregate,
+    clipped_policy_loss,
+    clipped_value_loss,
+    dpo_loss,
+    gae,
+    group_advantages,
+    kl_penalty,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    pairwise_reward_loss,
 )
 
 T = torch.tensor
@@ -48,8 +57,15 @@ def _batch() -> dict:
     new_values = values + 0.6 * torch.randn(n, generator=g)
     returns = values + torch.randn(n, generator=g)
     adv = T([1.3, -0.7, 0.4, -1.1])  # one advantage per response (GRPO)
-    return {"logp": logp, "old": old, "ref": ref, "values": values, "new_values": new_values, "returns": returns,
-            "adv": adv}
+    return {
+        "logp": logp,
+        "old": old,
+        "ref": ref,
+        "values": values,
+        "new_values": new_values,
+        "returns": returns,
+        "adv": adv,
+    }
 
 
 def _canntrain(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +73,8 @@ def _canntrain(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(p + r for p, r in zip(PROMPTS, RESPONSES)) - 1
     out, mask, at = torch.zeros(len(PROMPTS), width), torch.zeros(len(PROMPTS), width), 0
     for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
-        out[i, p - 1: p - 1 + r] = flat[at: at + r]
-        mask[i, p - 1: p - 1 + r] = 1
+        out[i, p - 1 : p - 1 + r] = flat[at : at + r]
+        mask[i, p - 1 : p - 1 + r] = 1
         at += r
     return out, mask
 
@@ -68,7 +84,7 @@ def _completions(flat: torch.Tensor, width: int | None = None) -> tuple[torch.Te
     width = width or max(RESPONSES)
     out, mask, at = torch.zeros(len(RESPONSES), width), torch.zeros(len(RESPONSES), width), 0
     for i, r in enumerate(RESPONSES):
-        out[i, :r] = flat[at: at + r]
+        out[i, :r] = flat[at : at + r]
         mask[i, :r] = 1
         at += r
     return out, mask
@@ -79,8 +95,18 @@ def _per_token_adv(adv: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- TRL's formulas
-def trl_grpo_loss(logp, old, ref, adv, mask, loss_type, beta=BETA, max_completion_length=None,
-                  num_items_in_batch=None, num_processes=1):
+def trl_grpo_loss(
+    logp,
+    old,
+    ref,
+    adv,
+    mask,
+    loss_type,
+    beta=BETA,
+    max_completion_length=None,
+    num_items_in_batch=None,
+    num_processes=1,
+):
     """GRPOTrainer._compute_loss on [B, C] completion tensors, advantages [B]."""
     per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
     coef_1 = torch.exp(logp - old)
@@ -136,8 +162,9 @@ def trl_group_advantages(rewards, num_generations, scale_rewards):
 
 
 # ---------------------------------------------------------------- verl's formulas
-def verl_agg_loss(loss_mat, loss_mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-                  loss_scale_factor=None):
+def verl_agg_loss(
+    loss_mat, loss_mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
+):
     if mode == "token-mean":
         batch_num_tokens = loss_mask.sum() if batch_num_tokens is None else batch_num_tokens
         return (loss_mat * loss_mask).sum() / batch_num_tokens * dp_size
@@ -204,7 +231,7 @@ def verl_gae(rewards, values, mask, gamma, lam):
 def verl_masked_whiten(values, mask):
     mean = verl_masked_mean(values, mask)
     centered = values - mean
-    variance = verl_masked_mean(centered ** 2, mask) * mask.sum() / (mask.sum() - 1)
+    variance = verl_masked_mean(centered**2, mask) * mask.sum() / (mask.sum() - 1)
     return (values - mean) * torch.rsqrt(variance + 1e-8)
 
 
@@ -219,22 +246,35 @@ def verl_grpo_advantages(scores, index, epsilon=1e-6, norm_adv_by_std_in_grpo=Tr
 
 
 # ---------------------------------------------------------------- the three layouts agree with the peers
-MODES = {"grpo": ("grpo", "seq-mean-token-mean"), "bnpo": ("bnpo", "token-mean"),
-         "dapo": ("dapo", "token-mean"), "dr_grpo": ("dr_grpo", "seq-mean-token-sum-norm")}
+MODES = {
+    "grpo": ("grpo", "seq-mean-token-mean"),
+    "bnpo": ("bnpo", "token-mean"),
+    "dapo": ("dapo", "token-mean"),
+    "dr_grpo": ("dr_grpo", "seq-mean-token-sum-norm"),
+}
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_each_loss_aggregation_is_its_trl_and_verl_namesake(mode):
     b = _batch()
     adv = _per_token_adv(b["adv"])
-    (logp, mask), (old, _), (ref, _), (a, _) = (_canntrain(b[k] if k != "adv" else adv)
-                                                for k in ("logp", "old", "ref", "adv"))
+    (logp, mask), (old, _), (ref, _), (a, _) = (
+        _canntrain(b[k] if k != "adv" else adv) for k in ("logp", "old", "ref", "adv")
+    )
     pg, _ = clipped_policy_loss(logp, old, a, mask, CLIP_LOW, CLIP_HIGH, mode, max_tokens=MAX_NEW)
     ours = pg + BETA * aggregate(kl_penalty(logp, ref, "k3"), mask, mode, max_tokens=MAX_NEW)
 
     tl, tm = _completions(b["logp"])
-    trl = trl_grpo_loss(tl, _completions(b["old"])[0], _completions(b["ref"])[0], b["adv"], tm, MODES[mode][0],
-                        max_completion_length=MAX_NEW, num_items_in_batch=tm.sum())
+    trl = trl_grpo_loss(
+        tl,
+        _completions(b["old"])[0],
+        _completions(b["ref"])[0],
+        b["adv"],
+        tm,
+        MODES[mode][0],
+        max_completion_length=MAX_NEW,
+        num_items_in_batch=tm.sum(),
+    )
     assert ours.item() == pytest.approx(trl.item(), rel=1e-6, abs=1e-7)
 
     vl, vm = _completions(b["logp"], MAX_NEW)
@@ -272,8 +312,13 @@ def test_dapo_and_bnpo_over_two_data_parallel_ranks():
     total = mask.sum()
     dapo = sum(aggregate(x, m, "dapo", tokens=total / 2) for x, m in ranks) / 2
     assert dapo.item() == pytest.approx(((loss * mask).sum() / total).item())  # the mean over all 15 tokens
-    trl = sum(trl_grpo_loss(x, x, x, T([0.0, 0.0]), m, "dapo", beta=0, num_items_in_batch=total,
-                            num_processes=2) for x, m in ranks) / 2
+    trl = (
+        sum(
+            trl_grpo_loss(x, x, x, T([0.0, 0.0]), m, "dapo", beta=0, num_items_in_batch=total, num_processes=2)
+            for x, m in ranks
+        )
+        / 2
+    )
     verl = sum(verl_agg_loss(x, m, "token-mean", dp_size=2, batch_num_tokens=total) for x, m in ranks) / 2
     assert dapo.item() == pytest.approx(verl.item()) and trl.item() == pytest.approx(0.0)
     bnpo = sum(aggregate(x, m, "bnpo") for x, m in ranks) / 2
@@ -318,8 +363,9 @@ def test_policy_clip_fraction_is_trls_and_verls():
     tl, tm = _completions(b["logp"])
     assert frac.item() == pytest.approx(trl_region_clip_ratio(tl, _completions(b["old"])[0], b["adv"], tm).item())
     vl, vm = _completions(b["logp"], MAX_NEW)
-    _, verl_frac, ppo_kl = verl_policy_loss(_completions(b["old"], MAX_NEW)[0], vl, _completions(adv, MAX_NEW)[0], vm,
-                                            "token-mean")
+    _, verl_frac, ppo_kl = verl_policy_loss(
+        _completions(b["old"], MAX_NEW)[0], vl, _completions(adv, MAX_NEW)[0], vm, "token-mean"
+    )
     assert frac.item() == pytest.approx(verl_frac.item())
     assert frac.item() == pytest.approx(3 / 15)  # counted once: 3 of the 15 tokens
     # actor/ppo_kl as grpo.py and ppo.py log it: the mean of old - new log-probabilities
@@ -331,8 +377,9 @@ def test_value_clip_fraction_counts_where_the_clipped_loss_binds():
     (v, mask), (v_old, _), (ret, _) = _canntrain(b["new_values"]), _canntrain(b["values"]), _canntrain(b["returns"])
     loss, frac = clipped_value_loss(v, v_old, ret, mask, 0.2)
     cv, cm = _completions(b["new_values"], MAX_NEW)
-    ref_loss, ref_frac = verl_value_loss(cv, _completions(b["returns"], MAX_NEW)[0],
-                                         _completions(b["values"], MAX_NEW)[0], cm, 0.2)
+    ref_loss, ref_frac = verl_value_loss(
+        cv, _completions(b["returns"], MAX_NEW)[0], _completions(b["values"], MAX_NEW)[0], cm, 0.2
+    )
     assert loss.item() == pytest.approx(ref_loss.item()) and frac.item() == pytest.approx(ref_frac.item())
     moved = masked_mean(((v - v_old).abs() > 0.2).float(), mask)  # what was counted before: |V - V_old| > clip
     assert frac.item() == pytest.approx(4 / 15) and moved.item() == pytest.approx(13 / 15)  # counted once
@@ -396,8 +443,10 @@ def test_kl_estimator_is_read_by_ppo_and_grpo_only():
     from canntrain_core.recipe import load_recipe
 
     base = {"model.init_from": "x", "data.source": "p.jsonl"}
-    assert load_recipe(None, {**base, "train_mode": "ppo", "rlhf.kl_estimator": "low_var_kl"}).rlhf.kl_estimator \
+    assert (
+        load_recipe(None, {**base, "train_mode": "ppo", "rlhf.kl_estimator": "low_var_kl"}).rlhf.kl_estimator
         == "low_var_kl"
+    )
     assert load_recipe(None, {**base, "train_mode": "grpo"}).rlhf.kl_estimator is None  # the stage's default
     with pytest.raises(RecipeError, match="does not read"):
         load_recipe(None, {**base, "train_mode": "dpo", "rlhf.kl_estimator": "k1"})
@@ -414,13 +463,16 @@ def test_gae_and_returns_by_hand():
     assert torch.allclose(adv, T([[(0.9 * 0.4 - 0.5) + 0.9 * 0.5 * 0.6, 1.0 - 0.4, 0.0]]))
 
 
-@pytest.mark.parametrize("adv, ratio, want, binds", [
-    (1.0, 1.5, -1.2, True),    # gain capped at 1 + eps
-    (-1.0, 1.5, 1.5, False),   # a loss is never capped from below
-    (1.0, 0.5, -0.5, False),
-    (-1.0, 0.5, 0.8, True),    # the ratio may not fall below 1 - eps on a negative advantage
-    (1.0, 1.1, -1.1, False),   # inside the clip range
-])
+@pytest.mark.parametrize(
+    "adv, ratio, want, binds",
+    [
+        (1.0, 1.5, -1.2, True),  # gain capped at 1 + eps
+        (-1.0, 1.5, 1.5, False),  # a loss is never capped from below
+        (1.0, 0.5, -0.5, False),
+        (-1.0, 0.5, 0.8, True),  # the ratio may not fall below 1 - eps on a negative advantage
+        (1.0, 1.1, -1.1, False),  # inside the clip range
+    ],
+)
 def test_clipped_policy_loss_on_each_side(adv, ratio, want, binds):
     loss, frac = clipped_policy_loss(T([[math.log(ratio)]]), T([[0.0]]), T([[adv]]), T([[1.0]]), 0.2)
     assert loss.item() == pytest.approx(want) and frac.item() == float(binds)

@@ -12,16 +12,25 @@ import os
 import subprocess
 import sys
 
-SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8, "num_attention_heads": 16,
-         "num_key_value_heads": 16, "vocab_size": 8192}
+SHAPE = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 8192,
+}
 
 
 def _peaks(tmp_path, nproc, layout):
     out = tmp_path / str(nproc)
     out.mkdir()
     module = ["-m", "canntrain_core.memory.setup_rss", str(out), json.dumps({"model.overrides": SHAPE, **layout})]
-    cmd = [sys.executable, *module] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *module]
+    cmd = (
+        [sys.executable, *module]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *module]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]

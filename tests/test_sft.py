@@ -32,23 +32,46 @@ from conftest import SFT, TINY, task_data
 EOS = "<|endoftext|>"
 RECORDS = {
     "alpaca": {"system": "Be brief.", "instruction": "Add", "input": "2 + 3", "output": "5"},
-    "messages": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2 + 3"},
-                              {"role": "assistant", "content": "5"}, {"role": "user", "content": "And 4 + 4?"},
-                              {"role": "assistant", "content": "8"}]},
-    "sharegpt": {"conversations": [{"from": "human", "value": "Add 2 + 3"}, {"from": "gpt", "value": "5"},
-                                   {"from": "human", "value": "And 4 + 4?"}, {"from": "gpt", "value": "8"}]},
+    "messages": {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Add 2 + 3"},
+            {"role": "assistant", "content": "5"},
+            {"role": "user", "content": "And 4 + 4?"},
+            {"role": "assistant", "content": "8"},
+        ]
+    },
+    "sharegpt": {
+        "conversations": [
+            {"from": "human", "value": "Add 2 + 3"},
+            {"from": "gpt", "value": "5"},
+            {"from": "human", "value": "And 4 + 4?"},
+            {"from": "gpt", "value": "8"},
+        ]
+    },
 }
 TRAINED = {  # what each train_on mode trains on, as text (the first token of a sample never is a target)
-    ("alpaca", "assistant"): "5" + EOS, ("alpaca", "last"): "5" + EOS,
-    ("messages", "assistant"): "5" + EOS + "8" + EOS, ("messages", "last"): "8" + EOS,
-    ("sharegpt", "assistant"): "5" + EOS + "8" + EOS, ("sharegpt", "last"): "8" + EOS,
+    ("alpaca", "assistant"): "5" + EOS,
+    ("alpaca", "last"): "5" + EOS,
+    ("messages", "assistant"): "5" + EOS + "8" + EOS,
+    ("messages", "last"): "8" + EOS,
+    ("sharegpt", "assistant"): "5" + EOS + "8" + EOS,
+    ("sharegpt", "last"): "8" + EOS,
 }
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
     tok = new_byte_level_bpe()
-    tok.train_from_iterator([json.dumps(r) for r in RECORDS.values()] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        [json.dumps(r) for r in RECORDS.values()] * 20,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=[EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return tok
 
 
@@ -62,7 +85,7 @@ def test_the_loss_mask_covers_exactly_the_trained_tokens(tokenizer, fmt, train_o
     else:
         assert trained == TRAINED[fmt, train_on]
     # generation starts right where the final answer does
-    assert tokenizer.decode(enc.ids[enc.prompt_len:], skip_special_tokens=False) == conv.answer + EOS
+    assert tokenizer.decode(enc.ids[enc.prompt_len :], skip_special_tokens=False) == conv.answer + EOS
 
 
 def test_packed_rows_give_each_sample_the_loss_it_has_alone(tmp_path, data_cache):
@@ -70,9 +93,21 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(tmp_path, data_cache
     from canntrain_core.models.registry import model_config
 
     src = write_jsonl(tmp_path / "t.jsonl", task_records(40, seed=3))
-    cfg = lambda packing: load_recipe(TINY, {**SFT, "data.source": str(src), "data.packing": packing,  # noqa: E731
-                                             "data.tokenizer.vocab_size": 300, "data.cache_dir": data_cache,
-                                             "data.val_fraction": 0.0, "data.seq_length": 96})
+
+    def cfg(packing):
+        return load_recipe(
+            TINY,
+            {
+                **SFT,
+                "data.source": str(src),
+                "data.packing": packing,
+                "data.tokenizer.vocab_size": 300,
+                "data.cache_dir": data_cache,
+                "data.val_fraction": 0.0,
+                "data.seq_length": 96,
+            },
+        )
+
     packed, alone = build_sft_data(cfg(True).data, seed=0), build_sft_data(cfg(False).data, seed=0)
     row = packed.train[0]
     assert int(row["segment_ids"].max()) >= 3  # several samples share the row
@@ -83,8 +118,12 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(tmp_path, data_cache
             sample = row["input_ids"][row["segment_ids"] == k]
             ref_row = next(r for r in alone.train.rows if torch.equal(r["input_ids"][: len(sample)], sample))
             labels = torch.where(row["segment_ids"] == k, row["labels"], torch.tensor(-100))
-            got = model(row["input_ids"][None, :-1], labels[None, 1:], position_ids=row["position_ids"][None, :-1],
-                        segment_ids=row["segment_ids"][None, :-1])
+            got = model(
+                row["input_ids"][None, :-1],
+                labels[None, 1:],
+                position_ids=row["position_ids"][None, :-1],
+                segment_ids=row["segment_ids"][None, :-1],
+            )
             want = model(ref_row["input_ids"][None, :-1], ref_row["labels"][None, 1:])
             assert abs(got.item() - want.item()) < 1e-5, k  # fp32; measured ~1e-7
 
@@ -94,15 +133,27 @@ def test_sft_on_the_verifiable_task_raises_held_out_exact_match(sft_run):
     assert em[0] <= 0.05 and em[-1] >= 0.2, em  # measured 0.0 -> 0.39
     # the batched KV-cached decode (the default) gives the answers of the plain one-prompt-at-a-time decode
     t = sft_run.trainer
-    cached, plain = (exact_match(t.model, t.data.eval_examples[:24], t.data.decode, t.data.eos_id, cached=c)
-                     for c in (True, False))
+    cached, plain = (
+        exact_match(t.model, t.data.eval_examples[:24], t.data.decode, t.data.eos_id, cached=c) for c in (True, False)
+    )
     assert cached == plain and len(cached[1]) == 24
 
 
 def test_sft_resume_is_bit_exact(pretrained, tmp_path, data_cache):
-    recipe = load_recipe(None, {**SFT, "model.init_from": str(pretrained), "data.source": task_data(tmp_path, 600),
-                                "data.cache_dir": data_cache, "data.batch_size": 4, "optim.max_steps": 8,
-                                "optim.grad_accum_steps": 2, "logging.eval_interval": 4, "logging.ckpt_interval": 4})
+    recipe = load_recipe(
+        None,
+        {
+            **SFT,
+            "model.init_from": str(pretrained),
+            "data.source": task_data(tmp_path, 600),
+            "data.cache_dir": data_cache,
+            "data.batch_size": 4,
+            "optim.max_steps": 8,
+            "optim.grad_accum_steps": 2,
+            "logging.eval_interval": 4,
+            "logging.ckpt_interval": 4,
+        },
+    )
     make_trainer(recipe, run_dir=tmp_path / "full", progress=False).fit()
     make_trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=4)
     make_trainer(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
@@ -116,9 +167,20 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
 
     base = tmp_path / "base"  # a copy: replaced below
     shutil.copytree(pretrained, base)
-    recipe = load_recipe(None, {**SFT, "model.init_from": str(base), "data.source": task_data(tmp_path, 600),
-                                "data.cache_dir": data_cache, "lora.enabled": True, "optim.max_steps": 20, "data.batch_size": 8,
-                                "optim.lr": 3e-2, "logging.eval_interval": 20})
+    recipe = load_recipe(
+        None,
+        {
+            **SFT,
+            "model.init_from": str(base),
+            "data.source": task_data(tmp_path, 600),
+            "data.cache_dir": data_cache,
+            "lora.enabled": True,
+            "optim.max_steps": 20,
+            "data.batch_size": 8,
+            "optim.lr": 3e-2,
+            "logging.eval_interval": 20,
+        },
+    )
     trainer = make_trainer(recipe, run_dir=tmp_path / "run", progress=False)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.fit()
@@ -129,8 +191,10 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
     stored = sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
     # adapter-only: adapters + their AdamW moments, against 3 x the model for a full checkpoint (measured 4 %)
     assert stored < 0.1 * 3 * sum(p.numel() * 4 for p in after.values())
-    adapter, merged = export_hf(tmp_path / "run", tmp_path / "adapter"), export_hf(tmp_path / "run", tmp_path / "merged",
-                                                                                    merge=True)
+    adapter, merged = (
+        export_hf(tmp_path / "run", tmp_path / "adapter"),
+        export_hf(tmp_path / "run", tmp_path / "merged", merge=True),
+    )
     assert (adapter.out / "adapter_config.json").is_file() and adapter.files == ["adapter_model.safetensors"]
     ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
     trainer.model.eval()
@@ -144,8 +208,10 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
     with torch.no_grad():
         other.model.norm.weight.mul_(2)
     other.save_pretrained(base)
-    for attempt in (lambda: export_hf(tmp_path / "run", tmp_path / "merged2", merge=True),
-                    lambda: make_trainer(recipe, run_dir=tmp_path / "run", resume_from="auto", progress=False)):
+    for attempt in (
+        lambda: export_hf(tmp_path / "run", tmp_path / "merged2", merge=True),
+        lambda: make_trainer(recipe, run_dir=tmp_path / "run", resume_from="auto", progress=False),
+    ):
         with pytest.raises(BadInput, match=r"the LoRA base .*base is not the model .*\(model.safetensors changed"):
             attempt()
     assert not (tmp_path / "merged2").exists()
@@ -153,15 +219,24 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
 
 def test_sft_and_lora_under_fsdp2_and_tp2_sp_on_2_ranks_match_one_process(sft_run, tmp_path, data_cache):
     # from the fine-tuned model, so that the held-out answers decoded in lockstep by every rank are some right
-    base = {**SFT, "model.init_from": str(sft_run.hf), "data.source": task_data(tmp_path, 1000),
-            "data.cache_dir": data_cache, "data.batch_size": 8, "optim.max_steps": 6, "logging.eval_interval": 6,
-            "optim.lr": 3e-3, "logging.eval_exact_match": 8}
+    base = {
+        **SFT,
+        "model.init_from": str(sft_run.hf),
+        "data.source": task_data(tmp_path, 1000),
+        "data.cache_dir": data_cache,
+        "data.batch_size": 8,
+        "optim.max_steps": 6,
+        "logging.eval_interval": 6,
+        "optim.lr": 3e-3,
+        "logging.eval_exact_match": 8,
+    }
     layouts = {"sft": {}, "lora": {"lora.enabled": True, "lora.dropout": 0.0}}  # dropout draws differ by layout
     fsdp = {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4}
     tp2_sp = {"distributed.tensor_parallel_size": 2, "distributed.sequence_parallel": True}  # the packed mask under SP
     run_layouts(str(TINY), tmp_path, base, [f"{k}_single={json.dumps(v)}" for k, v in layouts.items()])
-    launch_layouts(TINY, tmp_path, 2, base, {**{f"{k}_fsdp2": {**v, **fsdp} for k, v in layouts.items()},
-                                             "sft_tp2sp": tp2_sp})
+    launch_layouts(
+        TINY, tmp_path, 2, base, {**{f"{k}_fsdp2": {**v, **fsdp} for k, v in layouts.items()}, "sft_tp2sp": tp2_sp}
+    )
     for k, ref in (("sft_fsdp2", "sft_single"), ("lora_fsdp2", "lora_single"), ("sft_tp2sp", "sft_single")):
         one, two = ({r["step"]: r for r in read_metrics(tmp_path / n)} for n in (ref, k))
         assert max(abs(one[s]["loss"] - two[s]["loss"]) for s in range(1, 7)) < 2e-4, k
@@ -174,9 +249,11 @@ def test_a_tokenizers_own_chat_template_formats_and_masks(tokenizer):
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
-    hf.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
-                        "{% if m['role'] == 'assistant' %}" + EOS + "{% endif %}{% endfor %}"
-                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    hf.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}" + EOS + "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     conv = Conversation("x.jsonl:1", parse_record(RECORDS["messages"]))
     fmt = ChatFormat(tokenizer, tokenizer.token_to_id(EOS), TemplateConfig(), chat_template=hf)
     enc = fmt.encode(conv, "assistant")

@@ -9,38 +9,59 @@ One tiny model (2 layers, hidden 64) and 4 steps per stage: the point is the con
 from __future__ import annotations
 
 import math
-import os
 import typing
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from canntrain_core.data.tokenizer import new_byte_level_bpe
 from canntrain_core.finetune.data import write_jsonl
 from canntrain_core.finetune.tasks import task_records
 from canntrain_core.recipe import Recipe, load_recipe
 from canntrain_core.rlhf.data import preference_records
 from canntrain_core.rlhf.start import CONFIGS
 from canntrain_core.train.metrics import read_metrics
+from conftest import write_hf_model
 from canntrain_core.stages import make_trainer
 
 STEPS = 4
 TIMING = ("timing_s/", "perf/", "tokens_per_second", "tflops", "mfu", "step_time", "peak_memory")
-SMALL = {"optim.max_steps": STEPS, "optim.warmup_steps": 1, "logging.log_interval": 1,
-         "logging.eval_interval": STEPS, "logging.ckpt_interval": 2, "logging.eval_exact_match": 4,
-         "data.val_fraction": 0.1}
+SMALL = {
+    "optim.max_steps": STEPS,
+    "optim.warmup_steps": 1,
+    "logging.log_interval": 1,
+    "logging.eval_interval": STEPS,
+    "logging.ckpt_interval": 2,
+    "logging.eval_exact_match": 4,
+    "data.val_fraction": 0.1,
+}
 STAGE = {  # the shipped tiny recipe of each stage, shrunk
-    "pretrain": {"data.max_bytes": 60_000, "data.seq_length": 32, "data.batch_size": 4, "data.tokenizer.vocab_size": 300,
-                 "logging.eval_exact_match": 0, "logging.eval_batches": 1},
+    "pretrain": {
+        "data.max_bytes": 60_000,
+        "data.seq_length": 32,
+        "data.batch_size": 4,
+        "data.tokenizer.vocab_size": 300,
+        "logging.eval_exact_match": 0,
+        "logging.eval_batches": 1,
+    },
     "sft": {"data.batch_size": 8, "data.seq_length": 64},
     "reward": {"data.batch_size": 8, "data.seq_length": 64},
     "dpo": {"data.batch_size": 8, "data.seq_length": 64},
-    "grpo": {"data.batch_size": 4, "data.seq_length": 64, "rlhf.group_size": 2, "rlhf.generate_max_length": 6, "rlhf.ppo_epochs": 1,
-             "rlhf.mini_batch_size": 8},
-    "ppo": {"data.batch_size": 8, "data.seq_length": 64, "rlhf.generate_max_length": 6, "rlhf.ppo_epochs": 1, "rlhf.mini_batch_size": 8},
+    "grpo": {
+        "data.batch_size": 4,
+        "data.seq_length": 64,
+        "rlhf.group_size": 2,
+        "rlhf.generate_max_length": 6,
+        "rlhf.ppo_epochs": 1,
+        "rlhf.mini_batch_size": 8,
+    },
+    "ppo": {
+        "data.batch_size": 8,
+        "data.seq_length": 64,
+        "rlhf.generate_max_length": 6,
+        "rlhf.ppo_epochs": 1,
+        "rlhf.mini_batch_size": 8,
+    },
 }
 
 
@@ -49,28 +70,37 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     """A tiny Llama written by transformers' save_pretrained, with a tokenizer, and the stages' data."""
     d = tmp_path_factory.mktemp("contract")
     hf = d / "hf"
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=300, max_position_embeddings=128, bos_token_id=None,
-                         eos_token_id=0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(hf)
-    tok = new_byte_level_bpe()
-    texts = [Path(p).read_text() for p in sorted((Path(os.__file__).parent / "json").glob("*.py"))]
-    tok.train_from_iterator(texts + ["0123456789 abcdefghijklmnopqrstuvwxyz ="], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(hf)
-    return {"hf": str(hf),
-            "tasks": str(write_jsonl(d / "tasks.jsonl", task_records(300, seed=0, kinds=("sort", "upper")))),
-            "prompts": str(write_jsonl(d / "prompts.jsonl", task_records(200, seed=7, kinds=("sort",)))),
-            "pairs": str(write_jsonl(d / "pairs.jsonl", preference_records(300, seed=0, kinds=("sort",))))}
+    write_hf_model(
+        hf,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
+    return {
+        "hf": str(hf),
+        "tasks": str(write_jsonl(d / "tasks.jsonl", task_records(300, seed=0, kinds=("sort", "upper")))),
+        "prompts": str(write_jsonl(d / "prompts.jsonl", task_records(200, seed=7, kinds=("sort",)))),
+        "pairs": str(write_jsonl(d / "pairs.jsonl", preference_records(300, seed=0, kinds=("sort",)))),
+    }
 
 
 def _recipe(mode: str, inputs: dict, data_cache: str, **extra):
-    source = {"pretrain": "stdlib", "sft": inputs["tasks"], "reward": inputs["pairs"], "dpo": inputs["pairs"],
-              "grpo": inputs["prompts"], "ppo": inputs["prompts"]}[mode]
+    source = {
+        "pretrain": "stdlib",
+        "sft": inputs["tasks"],
+        "reward": inputs["pairs"],
+        "dpo": inputs["pairs"],
+        "grpo": inputs["prompts"],
+        "ppo": inputs["prompts"],
+    }[mode]
     start = {} if mode == "pretrain" else {"model.init_from": inputs["hf"]}
-    return load_recipe(CONFIGS / f"tiny_{mode}.yaml", {**SMALL, **STAGE[mode], **start, "data.source": source,
-                                                         "data.cache_dir": data_cache, **extra})
+    return load_recipe(
+        CONFIGS / f"tiny_{mode}.yaml",
+        {**SMALL, **STAGE[mode], **start, "data.source": source, "data.cache_dir": data_cache, **extra},
+    )
 
 
 def _rows(run: Path) -> dict[int, dict]:
@@ -97,8 +127,9 @@ def test_a_stage_resumes_bit_exactly(mode, inputs, data_cache, tmp_path):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("mode", list(STAGE))
 def test_a_stage_trains_in_16_bit(mode, precision, inputs, data_cache, tmp_path):
-    trainer = make_trainer(_recipe(mode, inputs, data_cache, **{"model.precision": precision}),
-                           run_dir=tmp_path / "run", progress=False)
+    trainer = make_trainer(
+        _recipe(mode, inputs, data_cache, **{"model.precision": precision}), run_dir=tmp_path / "run", progress=False
+    )
     trainer.fit()
     rows = read_metrics(tmp_path / "run")
     losses = [v for r in rows for k, v in r.items() if k in ("loss", "actor/pg_loss") and isinstance(v, float)]

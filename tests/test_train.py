@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from canntrain_core.checkpoint import (
-    CheckpointError, find_resumable, latest_checkpoint, list_checkpoints, verify_checkpoint,
+    CheckpointError,
+    find_resumable,
+    latest_checkpoint,
+    list_checkpoints,
+    verify_checkpoint,
 )
 from canntrain_core.recipe import RecipeError
 from canntrain_core.train.metrics import read_metrics
@@ -28,8 +32,12 @@ def losses(run_dir):
     [
         {},
         # accumulation, worker processes that prefetch ahead of the trainer, and bf16 autocast
-        {"optim.grad_accum_steps": 2, "data.num_workers": 2, "data.persistent_workers": True,
-         "model.precision": "bf16"},
+        {
+            "optim.grad_accum_steps": 2,
+            "data.num_workers": 2,
+            "data.persistent_workers": True,
+            "model.precision": "bf16",
+        },
     ],
     ids=["plain", "accum2-workers2-bf16"],
 )
@@ -48,8 +56,9 @@ def test_resume_is_bit_exact(tmp_path, fast_recipe, extra):
 
 
 def test_loss_falls_and_run_dir_is_never_overwritten(tmp_path, fast_recipe):
-    recipe = fast_recipe(**{"optim.max_steps": 30, "logging.eval_interval": 30, "logging.ckpt_interval": 10,
-                            "logging.keep_last": 2})
+    recipe = fast_recipe(
+        **{"optim.max_steps": 30, "logging.eval_interval": 30, "logging.ckpt_interval": 10, "logging.keep_last": 2}
+    )
     result = Trainer(recipe, run_dir=tmp_path, progress=False).fit()
     vals = [r["val_loss"] for r in read_metrics(tmp_path) if "val_loss" in r]
     assert vals[0] > math.log(512) - 0.5  # untrained: about ln(vocab)
@@ -103,17 +112,40 @@ def test_schedule_warmup_cosine_floor(fast_recipe):
 
 def test_cli_train_resume_appends_metrics(tmp_path, data_cache):
     env = {**os.environ, "CANNTRAIN_CACHE": data_cache}
-    common = [sys.executable, "-m", "canntrain_core.cli", "train", str(TINY), "--run-dir", str(tmp_path),
-              "--no-progress", "--set", "data.max_bytes=300000", "--set", "data.tokenizer.vocab_size=512",
-              "--set", f"data.cache_dir={data_cache}", "--set", "data.seq_length=64",
-              "--set", "logging.log_interval=1", "--set", "logging.ckpt_interval=4"]
+    common = [
+        sys.executable,
+        "-m",
+        "canntrain_core.cli",
+        "train",
+        str(TINY),
+        "--run-dir",
+        str(tmp_path),
+        "--no-progress",
+        "--set",
+        "data.max_bytes=300000",
+        "--set",
+        "data.tokenizer.vocab_size=512",
+        "--set",
+        f"data.cache_dir={data_cache}",
+        "--set",
+        "data.seq_length=64",
+        "--set",
+        "logging.log_interval=1",
+        "--set",
+        "logging.ckpt_interval=4",
+    ]
     first = subprocess.run(common + ["--set", "optim.max_steps=4"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert first.returncode == 0, first.stderr[-2000:]
     refused = subprocess.run(common + ["--set", "optim.max_steps=8"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert refused.returncode == 2 and "already holds an earlier run (step_4)" in refused.stderr
     assert "Traceback" not in refused.stderr
-    again = subprocess.run(common + ["--set", "optim.max_steps=8", "--resume-from", "auto"],
-                           capture_output=True, text=True, env=env, cwd=ROOT)
+    again = subprocess.run(
+        common + ["--set", "optim.max_steps=8", "--resume-from", "auto"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stdout and "step_4" in again.stdout
     assert sorted(losses(tmp_path)) == list(range(1, 9))
@@ -187,8 +219,22 @@ def test_torn_last_metrics_line_is_dropped(tmp_path):
 
 
 def test_cli_bad_data_source_is_one_clear_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "canntrain_core.cli", "train", str(TINY), "--run-dir", str(tmp_path),
-                           "--set", f"data.source={tmp_path / 'missing'}"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "canntrain_core.cli",
+            "train",
+            str(TINY),
+            "--run-dir",
+            str(tmp_path),
+            "--set",
+            f"data.source={tmp_path / 'missing'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("canntrain train: data.source") and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -249,15 +295,20 @@ def test_recipe_drift_is_named_on_resume_and_a_new_shape_is_refused(tmp_path, fa
     _damage(root / "step_6", "manifest-missing")
     before = sorted(p.name for p in root.iterdir())
     with pytest.raises(RecipeError, match=r"model\.overrides\.num_hidden_layers: \(not set\) -> 2"):
-        Trainer(fast_recipe(**{"model.overrides.num_hidden_layers": 2}), run_dir=tmp_path, resume_from="auto",
-                progress=False)
+        Trainer(
+            fast_recipe(**{"model.overrides.num_hidden_layers": 2}),
+            run_dir=tmp_path,
+            resume_from="auto",
+            progress=False,
+        )
     with pytest.raises(RecipeError, match=r"model\.preset: 'tiny' -> 'llama2-7b'"):
         Trainer(fast_recipe(**{"model.preset": "llama2-7b"}), run_dir=tmp_path, resume_from="auto", progress=False)
     assert sorted(p.name for p in root.iterdir()) == before  # nothing touched, the damaged one not even moved
 
     capsys.readouterr()
-    changed = fast_recipe(**{"optim.lr": 1e-4, "optim.max_steps": 20, "logging.log_interval": 5,
-                             "distributed.timeout_seconds": 60})
+    changed = fast_recipe(
+        **{"optim.lr": 1e-4, "optim.max_steps": 20, "logging.log_interval": 5, "distributed.timeout_seconds": 60}
+    )
     Trainer(changed, run_dir=tmp_path, resume_from="auto", progress=False)
     out = capsys.readouterr().out
     assert f"optim.lr: {recipe.optim.lr} -> 0.0001" in out
@@ -266,8 +317,9 @@ def test_recipe_drift_is_named_on_resume_and_a_new_shape_is_refused(tmp_path, fa
 
 def test_val_fraction_0_trains_without_evaluation(tmp_path, fast_recipe):
     """data.val_fraction 0 holds out nothing: the run trains and logs no validation metrics."""
-    result = Trainer(fast_recipe(**{"data.val_fraction": 0.0, "optim.max_steps": 6}), run_dir=tmp_path / "run",
-                     progress=False).fit()
+    result = Trainer(
+        fast_recipe(**{"data.val_fraction": 0.0, "optim.max_steps": 6}), run_dir=tmp_path / "run", progress=False
+    ).fit()
     rows = read_metrics(tmp_path / "run")
     assert result.step == 6 and result.val_loss is None
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))

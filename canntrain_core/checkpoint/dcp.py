@@ -221,8 +221,13 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    verify: bool = True, trainable_only: bool = False) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    verify: bool = True,
+    trainable_only: bool = False,
+) -> dict[str, Any]:
     """Verify (unless the caller just did), then load model and optimizer in place; return this
     rank's trainer state. ``trainable_only``: the checkpoint holds the trainable parameters only (LoRA)."""
     path = Path(path)

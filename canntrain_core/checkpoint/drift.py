@@ -19,9 +19,18 @@ from typing import Any
 from canntrain_core.recipe import Recipe, RecipeError
 
 # LlamaConfig fields that change a tensor's shape (or which tensors exist).
-SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "head_dim", "tie_word_embeddings",
-                "attention_bias", "mlp_bias")
+SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "head_dim",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+)
 
 RULES: list[tuple[str, str]] = [
     ("logging.", "bookkeeping"),
@@ -98,8 +107,13 @@ def recipe_drift(old: dict[str, Any], new: Recipe) -> Drift:
     return drift
 
 
-def check_resume(checkpoint: str, old: dict[str, Any], new: Recipe, old_config: dict[str, Any] | None = None,
-                 new_config: dict[str, Any] | None = None) -> list[str]:
+def check_resume(
+    checkpoint: str,
+    old: dict[str, Any],
+    new: Recipe,
+    old_config: dict[str, Any] | None = None,
+    new_config: dict[str, Any] | None = None,
+) -> list[str]:
     """Refuse a resume that cannot load; return the lines to print for the changes that can.
 
     ``old_config`` / ``new_config``: the model's transformers config then and now (they catch a shape
@@ -108,13 +122,15 @@ def check_resume(checkpoint: str, old: dict[str, Any], new: Recipe, old_config: 
     drift = recipe_drift(old, new)
     shape = drift.lines("shape")
     if old_config is not None and new_config is not None and not shape:
-        shape = [f"model {f}: {old_config.get(f)} -> {new_config.get(f)}" for f in SHAPE_FIELDS
-                 if old_config.get(f) != new_config.get(f)]
+        shape = [
+            f"model {f}: {old_config.get(f)} -> {new_config.get(f)}"
+            for f in SHAPE_FIELDS
+            if old_config.get(f) != new_config.get(f)
+        ]
     if shape:
         raise RecipeError(
             f"cannot resume from {checkpoint}: the recipe changes the model's shape, so the checkpoint's "
-            "tensors would not load:\n  " + "\n  ".join(shape)
-            + "\n  (set these back, or start a new run directory)"
+            "tensors would not load:\n  " + "\n  ".join(shape) + "\n  (set these back, or start a new run directory)"
         )
     out = []
     if drift.of("layout"):

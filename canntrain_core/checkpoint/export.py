@@ -30,8 +30,17 @@ from canntrain_core.checkpoint.dcp import CheckpointError, latest_checkpoint, si
 from canntrain_core.errors import BadInput
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -56,9 +65,11 @@ def check_base(ckpt: Path, base: str | Path, what: str) -> None:
         return
     changed = base_changes(json.loads(saved.read_text()), base)
     if changed:
-        raise BadInput(f"{what}: the LoRA base {base} is not the model {ckpt}'s adapters were trained on "
-                       f"({', '.join(changed)} changed since; {saved.name} holds the original's fingerprint): "
-                       "put the original back at that path, or train the adapters anew")
+        raise BadInput(
+            f"{what}: the LoRA base {base} is not the model {ckpt}'s adapters were trained on "
+            f"({', '.join(changed)} changed since; {saved.name} holds the original's fingerprint): "
+            "put the original back at that path, or train the adapters anew"
+        )
 
 
 STAGE_FILE = "stage.json"  # in every checkpoint: what the stage that wrote it says about its model state
@@ -84,8 +95,10 @@ def resolve_checkpoint(source: str | Path) -> Path:
             raise CheckpointError(f"{p}: no complete checkpoint under {p / 'checkpoints'}")
         return found
     if (p / "metrics.jsonl").is_file() or ((p / "recipe.resolved.yaml").is_file() and not (p / ".metadata").is_file()):
-        raise CheckpointError(f"no checkpoint in {p}: the run wrote none (it saves every logging.ckpt_interval "
-                              "steps and at its last step)")
+        raise CheckpointError(
+            f"no checkpoint in {p}: the run wrote none (it saves every logging.ckpt_interval "
+            "steps and at its last step)"
+        )
     verify_checkpoint(p)
     return p
 
@@ -104,8 +117,9 @@ class Export:
     bytes: int
 
 
-def export_hf(source: str | Path, out: str | Path, dtype: str | None = None, max_shard_size: str = "5GB",
-              merge: bool = False) -> Export:
+def export_hf(
+    source: str | Path, out: str | Path, dtype: str | None = None, max_shard_size: str = "5GB", merge: bool = False
+) -> Export:
     """Write the checkpoint ``source`` (or a run directory's newest) as a Hugging Face directory ``out``.
 
     ``dtype``: bf16, fp16 or fp32; default the recipe's precision (fp32 weights stay fp32).
@@ -228,7 +242,9 @@ def _write_adapter(ckpt: Path, stored: dict, recipe: dict, out: Path, dtype: tor
 
     base = str(Path(recipe["model"]["init_from"]).resolve())
     peft_config(LoraSettings(**recipe["lora"]), base).save_pretrained(out)
-    weights = {peft_key(n): t.to(dtype).contiguous() for n, t in _load_from_checkpoint(ckpt, stored, _adapters(stored)).items()}
+    weights = {
+        peft_key(n): t.to(dtype).contiguous() for n, t in _load_from_checkpoint(ckpt, stored, _adapters(stored)).items()
+    }
     save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return ["adapter_model.safetensors"], len(weights), sum(t.numel() * t.element_size() for t in weights.values())
 
@@ -275,8 +291,9 @@ def _write_tokenizer(ckpt: Path, config, out: Path) -> None:
         tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
         eos_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
         eos = tok.id_to_token(eos_id) if eos_id is not None else None
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos,
-                                       model_max_length=config.max_position_embeddings)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token=eos, model_max_length=config.max_position_embeddings
+        )
     fast.save_pretrained(out)
 
 

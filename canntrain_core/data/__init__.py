@@ -9,7 +9,13 @@ from canntrain_core.data.dataset import PackedDataset
 from canntrain_core.data.pipeline import DataBundle, build_data
 from canntrain_core.data.pretokenize import Pretokenized, pretokenize, split_documents, token_dtype
 from canntrain_core.data.sampler import ResumableSampler
-from canntrain_core.data.tokenizer import EOS_TOKEN, TrainedTokenizer, get_tokenizer, pretrained_tokenizer, train_tokenizer
+from canntrain_core.data.tokenizer import (
+    EOS_TOKEN,
+    TrainedTokenizer,
+    get_tokenizer,
+    pretrained_tokenizer,
+    train_tokenizer,
+)
 
 __all__ = [
     "EOS_TOKEN",

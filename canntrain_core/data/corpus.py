@@ -247,8 +247,14 @@ def _record_text(raw: bytes, start: int, text_field: str) -> str:
 
 
 def _json_type(value: object) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number"}
+    names = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+    }
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 

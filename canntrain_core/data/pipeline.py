@@ -80,9 +80,14 @@ class DataBundle(TokenText):
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-
-def build_data(cfg: DataConfig, seed: int, dp_rank: int = 0, dp_size: int = 1,
-               tokenizer: TrainedTokenizer | None = None, vocab_size: int | None = None) -> DataBundle:
+def build_data(
+    cfg: DataConfig,
+    seed: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    tokenizer: TrainedTokenizer | None = None,
+    vocab_size: int | None = None,
+) -> DataBundle:
     """Build (or load from cache) the tokenizer and token files for `cfg`; see the module docstring.
 
     ``tokenizer``: one that came with a pretrained model (``model.init_from``), used instead of
@@ -93,12 +98,19 @@ def build_data(cfg: DataConfig, seed: int, dp_rank: int = 0, dp_size: int = 1,
     if vocab_size is not None:
         cfg = cfg.model_copy(update={"tokenizer": cfg.tokenizer.model_copy(update={"vocab_size": vocab_size})})
     cache_dir = resolve_cache_dir(cfg.cache_dir)
-    corpus = load_corpus(cfg.source, text_field=cfg.text_field, max_bytes=cfg.max_bytes, max_files=cfg.max_files,
-                         on_bad_record=cfg.on_bad_record)
+    corpus = load_corpus(
+        cfg.source,
+        text_field=cfg.text_field,
+        max_bytes=cfg.max_bytes,
+        max_files=cfg.max_files,
+        on_bad_record=cfg.on_bad_record,
+    )
     tok = tokenizer or get_tokenizer(corpus, cfg.tokenizer, cache_dir)
     if tok.tokenizer.get_vocab_size() > cfg.tokenizer.vocab_size:
-        raise DataError(f"{tok.path}: the tokenizer has {tok.tokenizer.get_vocab_size()} tokens, more than the "
-                        f"model's {cfg.tokenizer.vocab_size} embedding rows (vocab_size)")
+        raise DataError(
+            f"{tok.path}: the tokenizer has {tok.tokenizer.get_vocab_size()} tokens, more than the "
+            f"model's {cfg.tokenizer.vocab_size} embedding rows (vocab_size)"
+        )
     pre = pretokenize(corpus, tok, cfg.tokenizer.vocab_size, cfg.val_fraction, cache_dir)
     meta = pre.meta
 

@@ -108,9 +108,7 @@ def pretokenize(
 def _build(corpus: Corpus, tok: TrainedTokenizer, vocab_size: int, val_fraction: float, out: Path) -> None:
     dtype = token_dtype(vocab_size)
     if tok.tokenizer.get_vocab_size() > vocab_size:
-        raise ValueError(
-            f"tokenizer has {tok.tokenizer.get_vocab_size()} tokens, more than vocab_size={vocab_size}"
-        )
+        raise ValueError(f"tokenizer has {tok.tokenizer.get_vocab_size()} tokens, more than vocab_size={vocab_size}")
     train_docs, val_docs = split_documents(corpus.documents, val_fraction)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))

@@ -165,8 +165,10 @@ def pretrained_tokenizer(init_from: str | Path | None, config, chat_template: st
 
     if not init_from:
         if chat_template == "tokenizer":
-            raise DataError("data.chat_template=tokenizer: there is no tokenizer to take it from (model.init_from "
-                            "is not set); use data.chat_template=recipe (data.template) or auto")
+            raise DataError(
+                "data.chat_template=tokenizer: there is no tokenizer to take it from (model.init_from "
+                "is not set); use data.chat_template=recipe (data.template) or auto"
+            )
         return {}
     d = Path(init_from)
     path = d / "tokenizer.json"
@@ -187,15 +189,22 @@ def pretrained_tokenizer(init_from: str | Path | None, config, chat_template: st
     if chat_template is not None:
         has = hf is not None and bool(hf.chat_template)
         if chat_template == "tokenizer" and not has:
-            raise DataError(f"data.chat_template=tokenizer: {d} has no chat template ({CHAT_TEMPLATE_FILE}, "
-                            f"{CHAT_TEMPLATE_DIR}/ or tokenizer_config.json's chat_template); use "
-                            "data.chat_template=recipe (data.template)")
+            raise DataError(
+                f"data.chat_template=tokenizer: {d} has no chat template ({CHAT_TEMPLATE_FILE}, "
+                f"{CHAT_TEMPLATE_DIR}/ or tokenizer_config.json's chat_template); use "
+                "data.chat_template=recipe (data.template)"
+            )
         out["chat_template"] = hf if has and chat_template != "recipe" else None
     return out
 
 
-def tokenizer_files(tokenizer: Tokenizer, eos_id: int | None, source=None, chat_template: str | dict | None = None,
-                    model_max_length: int | None = None) -> dict[str, str]:
+def tokenizer_files(
+    tokenizer: Tokenizer,
+    eos_id: int | None,
+    source=None,
+    chat_template: str | dict | None = None,
+    model_max_length: int | None = None,
+) -> dict[str, str]:
     """The small files transformers' ``save_pretrained`` writes beside tokenizer.json (tokenizer_config.json,
     chat_template.jinja, additional_chat_templates/NAME.jinja), as {relative path: text}: what a checkpoint
     carries so that its export loads with the special tokens and chat template the run used.
@@ -221,5 +230,8 @@ def tokenizer_files(tokenizer: Tokenizer, eos_id: int | None, source=None, chat_
     with tempfile.TemporaryDirectory() as tmp:
         fast.save_pretrained(tmp)
         root = Path(tmp)
-        return {str(p.relative_to(root)): p.read_text(encoding="utf-8") for p in sorted(root.rglob("*"))
-                if p.is_file() and p.name != "tokenizer.json"}
+        return {
+            str(p.relative_to(root)): p.read_text(encoding="utf-8")
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "tokenizer.json"
+        }

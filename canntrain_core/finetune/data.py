@@ -63,8 +63,10 @@ def fit_sample(s: Sample, length: int, policy: str) -> Encoded | str:
     if policy == "drop":
         return f"over-long: {n} tokens > {length} (data.seq_length + 1; data.truncation=drop)"
     if over > e.prompt_len:
-        return (f"over-long: the final answer alone needs {n - e.prompt_len} tokens of {length} "
-                "(answers are never truncated)")
+        return (
+            f"over-long: the final answer alone needs {n - e.prompt_len} tokens of {length} "
+            "(answers are never truncated)"
+        )
     return Encoded(e.ids[over:], e.trained[over:], e.prompt_len - over)
 
 
@@ -90,8 +92,7 @@ def make_rows(samples: list[Encoded], length: int, pad_id: int, packing: bool) -
             seg += [k] * len(e.ids)
         real += len(ids)
         pad = length - len(ids)
-        row = {"input_ids": ids + [pad_id] * pad, "labels": labels + [IGNORE] * pad,
-               "position_ids": pos + [0] * pad}
+        row = {"input_ids": ids + [pad_id] * pad, "labels": labels + [IGNORE] * pad, "position_ids": pos + [0] * pad}
         if packing:
             row["segment_ids"] = seg + [0] * pad
         rows.append({k: torch.tensor(v, dtype=torch.long) for k, v in row.items()})
@@ -119,9 +120,14 @@ class SFTBundle(TokenText):
     info: dict[str, Any] = field(default_factory=dict)
 
     def train_loader(self) -> DataLoader:
-        return DataLoader(self.train, batch_size=self.cfg.batch_size, sampler=self.sampler,
-                          num_workers=self.cfg.num_workers, persistent_workers=self.cfg.persistent_workers,
-                          drop_last=True)
+        return DataLoader(
+            self.train,
+            batch_size=self.cfg.batch_size,
+            sampler=self.sampler,
+            num_workers=self.cfg.num_workers,
+            persistent_workers=self.cfg.persistent_workers,
+            drop_last=True,
+        )
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
         if self.val is None:  # data.val_fraction 0: no evaluation
@@ -129,19 +135,29 @@ class SFTBundle(TokenText):
         per_round = batch_size * dp_size
         total = min(n_samples, len(self.val)) // per_round * per_round
         if total == 0:
-            raise DataError(f"the val split has {len(self.val)} rows, fewer than one batch on every rank "
-                            f"({batch_size} x {dp_size}); raise data.val_fraction or lower data.batch_size")
+            raise DataError(
+                f"the val split has {len(self.val)} rows, fewer than one batch on every rank "
+                f"({batch_size} x {dp_size}); raise data.val_fraction or lower data.batch_size"
+            )
         mine = list(range(dp_rank, total, dp_size))
-        return [{k: torch.stack([self.val[i][k] for i in mine[j:j + batch_size]]) for k in self.val[0]}
-                for j in range(0, len(mine), batch_size)]
+        return [
+            {k: torch.stack([self.val[i][k] for i in mine[j : j + batch_size]]) for k in self.val[0]}
+            for j in range(0, len(mine), batch_size)
+        ]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-
-def build_sft_data(cfg, seed: int, dp_rank: int = 0, dp_size: int = 1, tokenizer=None, vocab_size: int | None = None,
-                   chat_template=None) -> SFTBundle:
+def build_sft_data(
+    cfg,
+    seed: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    tokenizer=None,
+    vocab_size: int | None = None,
+    chat_template=None,
+) -> SFTBundle:
     """Read ``cfg.source`` (JSONL), format, mask, truncate, split, pack; see the module docstring.
 
     ``tokenizer`` (a data.tokenizer.TrainedTokenizer) comes with the model (``model.init_from``); without
@@ -157,8 +173,10 @@ def build_sft_data(cfg, seed: int, dp_rank: int = 0, dp_size: int = 1, tokenizer
         vocab_size = cfg.tokenizer.vocab_size
     vocab_size = vocab_size or cfg.tokenizer.vocab_size
     if tokenizer.tokenizer.get_vocab_size() > vocab_size:
-        raise DataError(f"{tokenizer.path}: the tokenizer has {tokenizer.tokenizer.get_vocab_size()} tokens, more "
-                        f"than the model's {vocab_size} embedding rows (vocab_size)")
+        raise DataError(
+            f"{tokenizer.path}: the tokenizer has {tokenizer.tokenizer.get_vocab_size()} tokens, more "
+            f"than the model's {vocab_size} embedding rows (vocab_size)"
+        )
     fmt = ChatFormat(tokenizer.tokenizer, tokenizer.eos_id, cfg.template, chat_template)
     length = cfg.seq_length + 1
     splits: dict[str, list[Encoded]] = {"train": [], "val": []}
@@ -182,17 +200,36 @@ def build_sft_data(cfg, seed: int, dp_rank: int = 0, dp_size: int = 1, tokenizer
     if not train_rows:
         raise DataError(f"{cfg.source}: no training rows ({len(bad)} record(s) left out)")
     trained = sum(int((r["labels"] != IGNORE).sum()) for r in train_rows)
-    info = {"source": str(cfg.source), "records": len(convs), "bad_records": len(bad), "bad_record_examples": bad[:10],
-            "train_samples": train_stats["samples"], "train_rows": train_stats["rows"],
-            "val_samples": len(splits["val"]), "val_rows": len(val_rows), "packing": cfg.packing,
-            "padding_fraction": round(train_stats["padding_fraction"], 4),
-            "trained_tokens_per_epoch": trained, "tokenizer_path": str(tokenizer.path),
-            "tokenizer_source": "given" if given else "trained",
-            "chat_template": fmt.source if chat_template is not None else "data.template",
-            "total_seconds": round(time.perf_counter() - start, 3)}
+    info = {
+        "source": str(cfg.source),
+        "records": len(convs),
+        "bad_records": len(bad),
+        "bad_record_examples": bad[:10],
+        "train_samples": train_stats["samples"],
+        "train_rows": train_stats["rows"],
+        "val_samples": len(splits["val"]),
+        "val_rows": len(val_rows),
+        "packing": cfg.packing,
+        "padding_fraction": round(train_stats["padding_fraction"], 4),
+        "trained_tokens_per_epoch": trained,
+        "tokenizer_path": str(tokenizer.path),
+        "tokenizer_source": "given" if given else "trained",
+        "chat_template": fmt.source if chat_template is not None else "data.template",
+        "total_seconds": round(time.perf_counter() - start, 3),
+    }
     sampler = ResumableSampler(len(train_rows), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
-    return SFTBundle(cfg, tokenizer.tokenizer, vocab_size, tokenizer.eos_id, fmt, Rows(train_rows),
-                     Rows(val_rows) if val_rows else None, sampler, evals, info)
+    return SFTBundle(
+        cfg,
+        tokenizer.tokenizer,
+        vocab_size,
+        tokenizer.eos_id,
+        fmt,
+        Rows(train_rows),
+        Rows(val_rows) if val_rows else None,
+        sampler,
+        evals,
+        info,
+    )
 
 
 def _train_tokenizer(convs: list[Conversation], cfg):

@@ -12,8 +12,15 @@ from canntrain_core.models.generate import greedy
 BATCH = 64  # prompts decoded together
 
 
-def exact_match(model, examples: list[tuple[list[int], str]], decode, eos_id: int, max_new_tokens: int = 16,
-                cached: bool = True, multiple_of: int = 1) -> tuple[float, list[tuple[str, str]]]:
+def exact_match(
+    model,
+    examples: list[tuple[list[int], str]],
+    decode,
+    eos_id: int,
+    max_new_tokens: int = 16,
+    cached: bool = True,
+    multiple_of: int = 1,
+) -> tuple[float, list[tuple[str, str]]]:
     """Share of ``examples`` (prompt ids, expected answer) answered exactly; and (answer, expected) pairs.
 
     ``cached``: batches of left-padded prompts decoded with a KV cache (``models.rollout.sample``), which
@@ -25,8 +32,11 @@ def exact_match(model, examples: list[tuple[list[int], str]], decode, eos_id: in
 
     prompts = [p for p, _ in examples]
     if cached:  # sample(): eval mode, each response cut after its first end token
-        outs = [r for i in range(0, len(prompts), BATCH)
-                for r in sample(model, prompts[i:i + BATCH], 1, max_new_tokens, eos_id, temperature=0.0).responses]
+        outs = [
+            r
+            for i in range(0, len(prompts), BATCH)
+            for r in sample(model, prompts[i : i + BATCH], 1, max_new_tokens, eos_id, temperature=0.0).responses
+        ]
     else:
         outs = [greedy(model, p, max_new_tokens, eos_id, multiple_of) for p in prompts]
     pairs = [(decode(o[:-1] if o and o[-1] == eos_id else o), expected) for o, (_, expected) in zip(outs, examples)]

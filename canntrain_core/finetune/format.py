@@ -67,8 +67,10 @@ class ChatFormat:
             before = self._apply(messages[:i], True, name) if i else ""
             through = self._apply(messages[: i + 1], False, name)
             if not (full.startswith(through) and through.startswith(before)):
-                raise DataError(f"{self.source}: the chat template does not render a conversation as a prefix of a "
-                                f"longer one{_at(name)}, so the answers' tokens cannot be found; {FALLBACK}")
+                raise DataError(
+                    f"{self.source}: the chat template does not render a conversation as a prefix of a "
+                    f"longer one{_at(name)}, so the answers' tokens cannot be found; {FALLBACK}"
+                )
             spans.append((len(before), len(through)))
         return full, spans
 
@@ -141,11 +143,16 @@ def template_jinja(template, eos_text: str) -> str:
         if role == "assistant":
             tail = tail.replace("{eos}", eos_text)
         parts[role] = (_jinja_string(head), _jinja_string(tail))
-    branches = "".join(f"{{%- {'if' if i == 0 else 'elif'} message['role'] == '{role}' -%}}\n"
-                       f"{{{{ {head} + message['content'] + {tail} }}}}\n"
-                       for i, (role, (head, tail)) in enumerate(parts.items()))
-    return ("{#- canntrain: data.template as a chat template -#}\n"
-            "{%- for message in messages -%}\n" + branches +
-            "{%- else -%}\n{{ raise_exception('data.template has no role ' + message['role']) }}\n"
-            "{%- endif -%}\n{%- endfor -%}\n"
-            f"{{%- if add_generation_prompt -%}}\n{{{{ {parts['assistant'][0]} }}}}\n{{%- endif -%}}\n")
+    branches = "".join(
+        f"{{%- {'if' if i == 0 else 'elif'} message['role'] == '{role}' -%}}\n"
+        f"{{{{ {head} + message['content'] + {tail} }}}}\n"
+        for i, (role, (head, tail)) in enumerate(parts.items())
+    )
+    return (
+        "{#- canntrain: data.template as a chat template -#}\n"
+        "{%- for message in messages -%}\n"
+        + branches
+        + "{%- else -%}\n{{ raise_exception('data.template has no role ' + message['role']) }}\n"
+        "{%- endif -%}\n{%- endfor -%}\n"
+        f"{{%- if add_generation_prompt -%}}\n{{{{ {parts['assistant'][0]} }}}}\n{{%- endif -%}}\n"
+    )

@@ -46,12 +46,18 @@ def parse_record(record: object, fmt: str = "auto") -> tuple[tuple[str, str], ..
     if fmt == "alpaca":
         for key in ("instruction", "output"):
             if not isinstance(record.get(key), str):
-                raise BadRecord(f"alpaca record needs a string {key!r} (keys here: {', '.join(sorted(record)) or 'none'})")
+                raise BadRecord(
+                    f"alpaca record needs a string {key!r} (keys here: {', '.join(sorted(record)) or 'none'})"
+                )
         prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
         turns = ([("system", record["system"])] if record.get("system") else []) + [
-            ("user", prompt), ("assistant", record["output"])]
+            ("user", prompt),
+            ("assistant", record["output"]),
+        ]
     else:
-        key, role_key, text_key = ("messages", "role", "content") if fmt == "messages" else ("conversations", "from", "value")
+        key, role_key, text_key = (
+            ("messages", "role", "content") if fmt == "messages" else ("conversations", "from", "value")
+        )
         items = record.get(key)
         if not isinstance(items, list) or not items:
             raise BadRecord(f"{fmt} record needs a non-empty list {key!r}")
@@ -60,8 +66,10 @@ def parse_record(record: object, fmt: str = "auto") -> tuple[tuple[str, str], ..
             role = item.get(role_key) if isinstance(item, dict) else None
             role = role if fmt == "messages" else _SHAREGPT.get(role)
             if role not in ROLES or not isinstance(item.get(text_key), str):
-                raise BadRecord(f"{key}[{i}]: needs {role_key!r} in "
-                                f"{ROLES if fmt == 'messages' else tuple(_SHAREGPT)} and a string {text_key!r}")
+                raise BadRecord(
+                    f"{key}[{i}]: needs {role_key!r} in "
+                    f"{ROLES if fmt == 'messages' else tuple(_SHAREGPT)} and a string {text_key!r}"
+                )
             turns.append((role, item[text_key]))
     if turns[-1][0] != "assistant":
         raise BadRecord("the last turn must be the assistant's (the answer to train on)")
@@ -70,8 +78,9 @@ def parse_record(record: object, fmt: str = "auto") -> tuple[tuple[str, str], ..
     return tuple(turns)
 
 
-def read_conversations(path: str | Path, fmt: str = "auto", on_bad_record: str = "error"
-                       ) -> tuple[list[Conversation], list[str]]:
+def read_conversations(
+    path: str | Path, fmt: str = "auto", on_bad_record: str = "error"
+) -> tuple[list[Conversation], list[str]]:
     """Every conversation of a JSONL file, and "file:line: why" for each line left out (skip policy)."""
     path = Path(path)
     if not path.is_file():
@@ -91,8 +100,9 @@ def read_conversations(path: str | Path, fmt: str = "auto", on_bad_record: str =
                 out.append(Conversation(f"{path.name}:{lineno}", parse_record(record, fmt)))
             except BadRecord as e:
                 if on_bad_record == "error":
-                    raise DataError(f"{path}, line {lineno}: {e} (or set data.on_bad_record=skip to leave "
-                                    "such records out)") from None
+                    raise DataError(
+                        f"{path}, line {lineno}: {e} (or set data.on_bad_record=skip to leave such records out)"
+                    ) from None
                 bad.append(f"{path.name}:{lineno}: {e}")
     if not out:
         raise DataError(f"{path}: no usable instruction records ({len(bad)} left out: {'; '.join(bad[:3])})")

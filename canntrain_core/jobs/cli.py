@@ -12,11 +12,22 @@ import sys
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="execute a notebook headless with papermill")
     p.add_argument("notebook")
-    p.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                   help="notebook parameter (value read as YAML), e.g. -p max_steps 50")
+    p.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="notebook parameter (value read as YAML), e.g. -p max_steps 50",
+    )
     p.add_argument("--run-dir", default=None, help="where the executed notebook and its outputs go")
-    p.add_argument("--nproc_per_node", type=int, default=None,
-                   help="run the notebook once per rank under torchrun (rank 0's copy is the report)")
+    p.add_argument(
+        "--nproc_per_node",
+        type=int,
+        default=None,
+        help="run the notebook once per rank under torchrun (rank 0's copy is the report)",
+    )
     p.add_argument("--nnodes", default=None)
     p.add_argument("--node_rank", default=None)
     p.add_argument("--master_addr", default=None)
@@ -28,8 +39,11 @@ def run(args: argparse.Namespace) -> int:
     from canntrain_core.jobs.papermill_runner import describe_run, parse_parameter, run_notebook, run_notebook_ranks
 
     params = {name: parse_parameter(value) for name, value in args.parameter}
-    multi_node = [f"--{k}={getattr(args, k)}" for k in ("nnodes", "node_rank", "master_addr", "master_port")
-                  if getattr(args, k) is not None]
+    multi_node = [
+        f"--{k}={getattr(args, k)}"
+        for k in ("nnodes", "node_rank", "master_addr", "master_port")
+        if getattr(args, k) is not None
+    ]
     if multi_node and not args.nproc_per_node:
         print("canntrain run: --nnodes/--node_rank/--master_* need --nproc_per_node", file=sys.stderr)
         return 2

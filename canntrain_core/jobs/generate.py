@@ -53,8 +53,10 @@ class Generator:
         ``system``), or as raw text."""
         if chat:
             if self.format is None:
-                raise BadInput(f"--chat: {self.source} has no chat template (chat_template.jinja or "
-                               "tokenizer_config.json's chat_template); leave out --chat to continue raw text")
+                raise BadInput(
+                    f"--chat: {self.source} has no chat template (chat_template.jinja or "
+                    "tokenizer_config.json's chat_template); leave out --chat to continue raw text"
+                )
             turns = ((("system", system),) if system else ()) + (("user", prompt),)
             return self.format.prompt(turns)
         if system:
@@ -65,9 +67,16 @@ class Generator:
         return ids
 
     @torch.no_grad()
-    def generate(self, prompts: str | list[str], chat: bool = False, system: str | None = None,
-                 max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, seed: int = 0
-                 ) -> list[Completion]:
+    def generate(
+        self,
+        prompts: str | list[str],
+        chat: bool = False,
+        system: str | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> list[Completion]:
         """One completion per prompt (all decoded in one left-padded batch); ``temperature`` 0: greedy."""
         from canntrain_core.models.rollout import generate
 
@@ -97,22 +106,29 @@ def load_generator(source: str | Path, device: str | torch.device | None = None,
 
     p = Path(source)
     if not p.is_dir():
-        raise BadInput(f"{p}: {'not a directory' if p.exists() else 'no such directory'} (expected a run directory, "
-                       "a checkpoint directory or a Hugging Face model directory)")
+        raise BadInput(
+            f"{p}: {'not a directory' if p.exists() else 'no such directory'} (expected a run directory, "
+            "a checkpoint directory or a Hugging Face model directory)"
+        )
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     device = torch.device(device) if device is not None else get_accelerator().device
-    is_run = any((p / n).exists() for n in (
-        "checkpoints", "metrics.jsonl", "recipe.resolved.yaml", "manifest.json", ".metadata"))
+    is_run = any(
+        (p / n).exists() for n in ("checkpoints", "metrics.jsonl", "recipe.resolved.yaml", "manifest.json", ".metadata")
+    )
     if is_run:
         return _from_checkpoint(p, device, DTYPES[dtype])
     if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
-        raise BadInput(f"{p}: a peft adapter without its base; give the LoRA run's directory (its base is read "
-                       "from the recipe's model.init_from) or export it with `canntrain export --merge`")
+        raise BadInput(
+            f"{p}: a peft adapter without its base; give the LoRA run's directory (its base is read "
+            "from the recipe's model.init_from) or export it with `canntrain export --merge`"
+        )
     if (p / "config.json").is_file():
         return _from_hf(p, device, DTYPES[dtype])
-    raise BadInput(f"{p}: neither a run directory (checkpoints/), a checkpoint (manifest.json) nor a Hugging Face "
-                   "model directory (config.json)")
+    raise BadInput(
+        f"{p}: neither a run directory (checkpoints/), a checkpoint (manifest.json) nor a Hugging Face "
+        "model directory (config.json)"
+    )
 
 
 def _from_hf(d: Path, device: torch.device, dtype: torch.dtype) -> Generator:
@@ -133,7 +149,10 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
 
     from canntrain_core.checkpoint.dcp import checkpoint_config, checkpoint_recipe
     from canntrain_core.checkpoint.export import (
-        _load_from_checkpoint, _merged_source, language_model_prefix, resolve_checkpoint,
+        _load_from_checkpoint,
+        _merged_source,
+        language_model_prefix,
+        resolve_checkpoint,
     )
     from canntrain_core.recipe import TemplateConfig
 
@@ -146,8 +165,9 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
     config = LlamaConfig.from_dict(fields)
     config._attn_implementation = "sdpa"
     meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    stored = {k.removeprefix("model.").removeprefix(prefix): v for k, v in meta.items()
-              if k.startswith("model." + prefix)}
+    stored = {
+        k.removeprefix("model.").removeprefix(prefix): v for k, v in meta.items() if k.startswith("model." + prefix)
+    }
     if recipe.get("lora", {}).get("enabled", False):  # adapters only: the base with them folded in
         shapes, load = _merged_source(ckpt, stored, recipe)
     else:
@@ -179,8 +199,9 @@ def _build(config, tensors: dict[str, torch.Tensor], device: torch.device, dtype
         missing = [n for n in missing if n != "lm_head.weight"]
         hf_model.lm_head.weight = hf_model.model.embed_tokens.weight
     if missing:
-        raise BadInput(f"{where}: holds no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; "
-                       "cannot build its model")
+        raise BadInput(
+            f"{where}: holds no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; cannot build its model"
+        )
     hf_model.to(dtype)
     reset_buffers(hf_model, config, device)
     return CausalLM(hf_model)
@@ -210,5 +231,12 @@ def _finish(model, config, d: Path, fallback) -> Generator:
         except (ValueError, TypeError, AttributeError) as e:
             raise BadInput(f"{gen_file}: not a generation config ({e})") from None
     model.eval()
-    return Generator(model, given.tokenizer, given.eos_id, tuple(dict.fromkeys(end_ids)), fmt, str(d),
-                     (fmt.source if hf is not None else "data.template") if fmt is not None else None)
+    return Generator(
+        model,
+        given.tokenizer,
+        given.eos_id,
+        tuple(dict.fromkeys(end_ids)),
+        fmt,
+        str(d),
+        (fmt.source if hf is not None else "data.template") if fmt is not None else None,
+    )

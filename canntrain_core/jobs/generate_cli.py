@@ -11,12 +11,20 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample from a run, a checkpoint or a Hugging Face directory")
-    p.add_argument("source", help="a run directory (its newest complete checkpoint), a checkpoint directory, "
-                                  "or a Hugging Face model directory (e.g. a `canntrain export`)")
-    p.add_argument("--prompt", action="append", required=True,
-                   help="text to continue (with --chat: the user's message); repeat for a batch")
-    p.add_argument("--chat", action="store_true",
-                   help="format the prompt with the model's chat template and its generation prompt")
+    p.add_argument(
+        "source",
+        help="a run directory (its newest complete checkpoint), a checkpoint directory, "
+        "or a Hugging Face model directory (e.g. a `canntrain export`)",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="text to continue (with --chat: the user's message); repeat for a batch",
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="format the prompt with the model's chat template and its generation prompt"
+    )
     p.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
     p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens per answer (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy; else sampling")
@@ -30,8 +38,15 @@ def run(args: argparse.Namespace) -> int:
     from canntrain_core.jobs.generate import load_generator
 
     gen = load_generator(args.source, dtype=args.dtype)
-    done = gen.generate(args.prompt, chat=args.chat, system=args.system, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    done = gen.generate(
+        args.prompt,
+        chat=args.chat,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     for i, c in enumerate(done):
         if len(done) > 1:
             print(f"[{i + 1}] {c.prompt}")

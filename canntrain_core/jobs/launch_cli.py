@@ -18,13 +18,19 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("rank-table", help="write or check an HCCL rank table (rank_table.json)",
-                       description="Write an HCCL rank table, or --check one. The format and the device IP "
-                                   "file are described in canntrain_core/runtime/rank_table.py.")
+    p = sub.add_parser(
+        "rank-table",
+        help="write or check an HCCL rank table (rank_table.json)",
+        description="Write an HCCL rank table, or --check one. The format and the device IP "
+        "file are described in canntrain_core/runtime/rank_table.py.",
+    )
     p.add_argument("--nodes", help="comma-separated host IPs of the nodes, in rank order")
     p.add_argument("--devices-per-node", type=int, default=8, help="NPUs per node (default 8)")
-    p.add_argument("--device-ips", metavar="FILE",
-                   help="JSON or text file: node IP -> device IPs; without it device IPs are placeholders")
+    p.add_argument(
+        "--device-ips",
+        metavar="FILE",
+        help="JSON or text file: node IP -> device IPs; without it device IPs are placeholders",
+    )
     p.add_argument("-o", "--output", default="rank_table.json", help="where to write (default rank_table.json)")
     p.add_argument("--check", metavar="FILE", help="validate this rank table instead of writing one")
     p.add_argument("--world-size", type=int, default=None, help="with --check: the expected number of devices")
@@ -34,20 +40,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("recipe", help="recipe YAML file")
     s.add_argument("--nodes", type=int, required=True, help="number of nodes")
     s.add_argument("--devices-per-node", type=int, default=8, help="devices (= processes) per node (default 8)")
-    s.add_argument("--device-type", default="npu", choices=["npu", "cuda", "cpu"],
-                   help="sets the GRES request: npu:K, gpu:K, or none on CPU (default npu)")
+    s.add_argument(
+        "--device-type",
+        default="npu",
+        choices=["npu", "cuda", "cpu"],
+        help="sets the GRES request: npu:K, gpu:K, or none on CPU (default npu)",
+    )
     s.add_argument("--partition", default=None)
     s.add_argument("--time", default=None, metavar="HH:MM:SS", help="wall-clock limit (default: the partition's)")
-    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="recipe override, checked now and passed on to the job (repeatable)")
+    s.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe override, checked now and passed on to the job (repeatable)",
+    )
     s.add_argument("-o", "--output", default=None, help="write the script here (default: stdout)")
     s.set_defaults(func=run_slurm)
 
 
 def run_rank_table(args: argparse.Namespace) -> int:
-    from canntrain_core.runtime.rank_table import (RankTableError, build_rank_table, check_rank_table,
-                                                   load_device_ips, load_rank_table, summarize,
-                                                   write_rank_table)
+    from canntrain_core.runtime.rank_table import (
+        RankTableError,
+        build_rank_table,
+        check_rank_table,
+        load_device_ips,
+        load_rank_table,
+        summarize,
+        write_rank_table,
+    )
 
     try:
         if args.check:
@@ -78,9 +100,15 @@ def run_rank_table(args: argparse.Namespace) -> int:
 def run_slurm(args: argparse.Namespace) -> int:
     from canntrain_core.jobs.slurm import SlurmError, SlurmJob, render
 
-    job = SlurmJob(recipe=args.recipe, nodes=args.nodes, devices_per_node=args.devices_per_node,
-                   device_type=args.device_type, partition=args.partition, time=args.time,
-                   overrides=args.overrides)
+    job = SlurmJob(
+        recipe=args.recipe,
+        nodes=args.nodes,
+        devices_per_node=args.devices_per_node,
+        device_type=args.device_type,
+        partition=args.partition,
+        time=args.time,
+        overrides=args.overrides,
+    )
     try:
         text = render(job)  # a RecipeError goes up to canntrain's main (exit 2, message names the key)
     except SlurmError as e:

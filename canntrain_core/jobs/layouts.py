@@ -46,8 +46,9 @@ def run_layouts(recipe_path: str, out: str | Path, base: dict, layouts: list[str
         dist.destroy_process_group()
 
 
-def launch_layouts(recipe_path: str | Path, out: str | Path, nproc: int, base: dict, layouts: dict[str, dict],
-                   timeout: float = 900) -> str:
+def launch_layouts(
+    recipe_path: str | Path, out: str | Path, nproc: int, base: dict, layouts: dict[str, dict], timeout: float = 900
+) -> str:
     """Start ``nproc`` local processes (gloo on CPU) that train every layout; return their output.
 
     ``layouts`` maps a run name (``NAME``, ``NAME@STEP`` or ``NAME<CHECKPOINT``) to its overrides.
@@ -56,8 +57,19 @@ def launch_layouts(recipe_path: str | Path, out: str | Path, nproc: int, base: d
     import subprocess
 
     specs = [f"{name}={json.dumps(o)}" for name, o in layouts.items()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "canntrain_core.jobs.layouts", str(recipe_path), str(out), json.dumps(base), *specs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "canntrain_core.jobs.layouts",
+        str(recipe_path),
+        str(out),
+        json.dumps(base),
+        *specs,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:

@@ -46,8 +46,12 @@ def execute(notebook: str | Path, out: str | Path, parameters: dict[str, Any], p
     return out
 
 
-def run_notebook(notebook: str | Path, run_dir: str | Path | None = None,
-                 parameters: dict[str, Any] | None = None, progress: bool = True) -> Path:
+def run_notebook(
+    notebook: str | Path,
+    run_dir: str | Path | None = None,
+    parameters: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> Path:
     """Execute ``notebook`` in this process; return the path of the executed copy in the run directory.
 
     The notebook receives ``run_dir`` as a parameter, so everything it writes lands next to it.
@@ -59,8 +63,13 @@ def run_notebook(notebook: str | Path, run_dir: str | Path | None = None,
     return execute(nb, run_dir / nb.name, {"run_dir": str(run_dir), **(parameters or {})}, progress)
 
 
-def run_notebook_ranks(notebook: str | Path, nproc_per_node: int, run_dir: str | Path | None = None,
-                       parameters: dict[str, Any] | None = None, torchrun_args: list[str] | None = None) -> Path:
+def run_notebook_ranks(
+    notebook: str | Path,
+    nproc_per_node: int,
+    run_dir: str | Path | None = None,
+    parameters: dict[str, Any] | None = None,
+    torchrun_args: list[str] | None = None,
+) -> Path:
     """Execute ``notebook`` once per rank under torchrun; return rank 0's executed copy.
 
     ``torchrun_args`` carries multi-node options (--nnodes, --node_rank, --master_addr, --master_port);
@@ -76,12 +85,24 @@ def run_notebook_ranks(notebook: str | Path, nproc_per_node: int, run_dir: str |
     run_dir = Path(run_dir or default_run_dir(nb)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     launch = torchrun_args or ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc_per_node}",
-           "-m", "canntrain_core.jobs.rank_notebook", str(nb), str(run_dir), json.dumps(parameters or {})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launch,
+        f"--nproc_per_node={nproc_per_node}",
+        "-m",
+        "canntrain_core.jobs.rank_notebook",
+        str(nb),
+        str(run_dir),
+        json.dumps(parameters or {}),
+    ]
     proc = subprocess.run(cmd)
     if proc.returncode != 0:
-        raise NotebookFailed(f"{nb.name}: the per-rank job failed (exit {proc.returncode}); "
-                             f"torchrun's summary above names the rank, executed notebooks are in {run_dir}")
+        raise NotebookFailed(
+            f"{nb.name}: the per-rank job failed (exit {proc.returncode}); "
+            f"torchrun's summary above names the rank, executed notebooks are in {run_dir}"
+        )
     return run_dir / nb.name
 
 
@@ -89,8 +110,11 @@ def describe_run(run_dir: str | Path) -> str:
     """What a run directory holds and how the run ended, for the end of `make run`."""
     run_dir = Path(run_dir)
     lines = [f"run directory: {run_dir}"]
-    for name, what in [("recipe.resolved.yaml", "the recipe as it ran"), ("metrics.jsonl", "one JSON line per log step"),
-                       ("data.json", "what the data pipeline read, skipped and built")]:
+    for name, what in [
+        ("recipe.resolved.yaml", "the recipe as it ran"),
+        ("metrics.jsonl", "one JSON line per log step"),
+        ("data.json", "what the data pipeline read, skipped and built"),
+    ]:
         if (run_dir / name).is_file():
             lines.append(f"  {name:<24} {what}")
     ckpts = list_checkpoints(run_dir / "checkpoints")
@@ -107,6 +131,8 @@ def describe_run(run_dir: str | Path) -> str:
         lines.append(f"final train loss {train[-1]['loss']:.4f} at step {train[-1]['step']}")
     if val:
         first = val[0]
-        lines.append(f"val loss {val[-1]['val_loss']:.4f} at step {val[-1]['step']} "
-                     f"(was {first['val_loss']:.4f} at step {first['step']})")
+        lines.append(
+            f"val loss {val[-1]['val_loss']:.4f} at step {val[-1]['step']} "
+            f"(was {first['val_loss']:.4f} at step {first['step']})"
+        )
     return "\n".join(lines)

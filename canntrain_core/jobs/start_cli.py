@@ -26,9 +26,13 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.directory)
     start = tiny_start(args.cache or out / ".start")
-    made = {"tiny_pretrained_hf": start.sft_run.parent / "pretrained_hf", "tiny_sft_hf": start.sft_hf,
-            "tasks.jsonl": start.sft_run.parent / "tasks.jsonl", "prompts.jsonl": start.prompts,
-            "pairs.jsonl": start.pairs}
+    made = {
+        "tiny_pretrained_hf": start.sft_run.parent / "pretrained_hf",
+        "tiny_sft_hf": start.sft_hf,
+        "tasks.jsonl": start.sft_run.parent / "tasks.jsonl",
+        "prompts.jsonl": start.prompts,
+        "pairs.jsonl": start.pairs,
+    }
     for name, source in made.items():
         target = out / name
         if target.exists():

@@ -14,19 +14,35 @@ from canntrain_core.train.metrics import read_metrics
 from canntrain_core.stages import make_trainer
 
 
-def lr_sweep(recipe_path, overrides: dict, lrs, out: str | Path, modes=("full", "lora"), steps: int = 100) -> list[dict]:
+def lr_sweep(
+    recipe_path, overrides: dict, lrs, out: str | Path, modes=("full", "lora"), steps: int = 100
+) -> list[dict]:
     """Rows of (mode, lr, final val loss, final exact match, tokens/s); each run in ``out/<mode>-<lr>``."""
     rows = []
     for mode in modes:
         for lr in lrs:
-            keys = {**overrides, "optim.lr": lr, "optim.max_steps": steps, "logging.eval_interval": steps,
-                    "logging.log_interval": steps, "logging.ckpt_interval": 10**9, "lora.enabled": mode == "lora"}
+            keys = {
+                **overrides,
+                "optim.lr": lr,
+                "optim.max_steps": steps,
+                "logging.eval_interval": steps,
+                "logging.log_interval": steps,
+                "logging.ckpt_interval": 10**9,
+                "lora.enabled": mode == "lora",
+            }
             run = Path(out) / f"{mode}-{lr:g}"
             make_trainer(load_recipe(recipe_path, keys), run_dir=run, progress=False).fit()
             last = [r for r in read_metrics(run) if "val_loss" in r][-1]
             speed = [r["tokens_per_second"] for r in read_metrics(run) if "tokens_per_second" in r]
-            rows.append({"mode": mode, "lr": lr, "val_loss": last["val_loss"],
-                         "exact_match": last.get("val_exact_match"), "tokens_per_second": speed[-1] if speed else None})
+            rows.append(
+                {
+                    "mode": mode,
+                    "lr": lr,
+                    "val_loss": last["val_loss"],
+                    "exact_match": last.get("val_exact_match"),
+                    "tokens_per_second": speed[-1] if speed else None,
+                }
+            )
     return rows
 
 

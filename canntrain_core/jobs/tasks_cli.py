@@ -28,8 +28,11 @@ def run(args: argparse.Namespace) -> int:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds or args.n < 1:
-        raise BadInput(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})" if unknown
-                       else "--n must be >= 1 and --kinds name at least one task")
+        raise BadInput(
+            f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})"
+            if unknown
+            else "--n must be >= 1 and --kinds name at least one task"
+        )
     make = preference_records if args.pairs else task_records
     path = write_jsonl(args.output, make(args.n, args.seed, kinds))
     print(f"wrote {args.n} {'preference pairs' if args.pairs else 'records'} ({', '.join(kinds)}) to {path}")

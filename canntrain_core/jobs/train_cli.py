@@ -8,11 +8,21 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a recipe without Jupyter")
     p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe key, e.g. --set optim.lr=1e-4 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set optim.lr=1e-4 (repeatable)",
+    )
     p.add_argument("--run-dir", default=None, help="run directory (default: {output_dir}/{name}-{timestamp})")
-    p.add_argument("--resume-from", default=None, metavar="PATH|auto",
-                   help="checkpoint directory, or 'auto' for the newest complete one in the run directory")
+    p.add_argument(
+        "--resume-from",
+        default=None,
+        metavar="PATH|auto",
+        help="checkpoint directory, or 'auto' for the newest complete one in the run directory",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

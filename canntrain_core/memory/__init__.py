@@ -12,7 +12,21 @@ from canntrain_core.sizing.setup import LoraSetup, TrainSetup, setup_from_recipe
 from canntrain_core.sizing.shapes import EXTRA_SHAPES, ModelShape, shape_from_preset
 
 __all__ = [
-    "CATEGORIES", "DEVICES", "EXTRA_SHAPES", "GB", "GiB", "DeviceSpec", "LoraSetup", "MemoryEstimate", "ModelShape",
-    "TrainSetup", "estimate", "get_device", "oom_hint", "parse_bytes", "setup_from_recipe", "shape_from_preset",
+    "CATEGORIES",
+    "DEVICES",
+    "EXTRA_SHAPES",
+    "GB",
+    "GiB",
+    "DeviceSpec",
+    "LoraSetup",
+    "MemoryEstimate",
+    "ModelShape",
+    "TrainSetup",
+    "estimate",
+    "get_device",
+    "oom_hint",
+    "parse_bytes",
+    "setup_from_recipe",
+    "shape_from_preset",
     "shape_from_recipe",
 ]

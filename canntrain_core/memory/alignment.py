@@ -54,8 +54,9 @@ class AlignmentEstimate:
 
     def table(self) -> str:
         lines = [f"{'model':10s} {'trains':>6s} {'where':>14s} {'resident GiB':>13s}"]
-        lines += [f"{r.name:10s} {'yes' if r.trains else 'no':>6s} {r.rank:>14s} {r.states / GiB:13.3f}"
-                  for r in self.roles]
+        lines += [
+            f"{r.name:10s} {'yes' if r.trains else 'no':>6s} {r.rank:>14s} {r.states / GiB:13.3f}" for r in self.roles
+        ]
         lines.append(f"KV cache of a rollout: {self.kv_cache / GiB:.3f} GiB")
         lines += [f"peak on a trained rank, {p}: {b / GiB:.3f} GiB" for p, b in self.phases.items()]
         if self.scorer_rank:
@@ -115,12 +116,21 @@ def estimate_alignment(recipe) -> AlignmentEstimate:
         phases = {"rollout": states + kv, "experience": states + scoring, **phases}
     notes = []
     if separated:
-        notes.append(f"separated: {h.scorer_ranks} scorer rank(s), each with whole copies of the frozen models in "
-                     f"{recipe.model.precision}; {d.world_size} trained rank(s) hold actor and critic")
+        notes.append(
+            f"separated: {h.scorer_ranks} scorer rank(s), each with whole copies of the frozen models in "
+            f"{recipe.model.precision}; {d.world_size} trained rank(s) hold actor and critic"
+        )
     elif frozen_here:
         notes.append("shared: the frozen models are sharded like the actor (fp32 storage) on every rank")
-    return AlignmentEstimate(mode, "separated" if separated else "shared", roles, phases,
-                             frozen_there + scoring if separated else 0, kv, notes)
+    return AlignmentEstimate(
+        mode,
+        "separated" if separated else "shared",
+        roles,
+        phases,
+        frozen_there + scoring if separated else 0,
+        kv,
+        notes,
+    )
 
 
 def measure_resident(trainer) -> dict[str, int]:
@@ -135,7 +145,11 @@ def measure_resident(trainer) -> dict[str, int]:
         params = list(model.parameters())
         trained = [p for p in params if p.requires_grad]
         grads = sum(4 * _local_bytes(p) // p.element_size() for p in trained)  # (fp32 gradients)
-        opt = sum(_local_bytes(v) for p in trained for v in state.get(p, {}).values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+        opt = sum(
+            _local_bytes(v)
+            for p in trained
+            for v in state.get(p, {}).values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
         out[name] = sum(_local_bytes(p) for p in params) + grads + opt
     return out

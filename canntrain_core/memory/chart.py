@@ -12,12 +12,17 @@ from canntrain_core.sizing.estimator import CATEGORIES, GiB, MemoryEstimate, est
 from canntrain_core.sizing.setup import TrainSetup
 from canntrain_core.sizing.shapes import ModelShape
 
-COLORS = dict(zip(CATEGORIES, ["#4c72b0", "#55a868", "#c44e52", "#e9a3a3", "#8172b2", "#b3a6dd", "#ccb974",
-                               "#64b5cd", "#bbbbbb"]))
+COLORS = dict(
+    zip(CATEGORIES, ["#4c72b0", "#55a868", "#c44e52", "#e9a3a3", "#8172b2", "#b3a6dd", "#ccb974", "#64b5cd", "#bbbbbb"])
+)
 
 
-def stacked_bars(estimates: Sequence[tuple[str, MemoryEstimate]], capacity: float | None = None, ax=None,
-                 title: str = "per-device memory at the peak"):
+def stacked_bars(
+    estimates: Sequence[tuple[str, MemoryEstimate]],
+    capacity: float | None = None,
+    ax=None,
+    title: str = "per-device memory at the peak",
+):
     """One stacked bar (GiB by category) per labelled estimate; a dashed line at ``capacity`` bytes."""
     import matplotlib.pyplot as plt
 
@@ -55,12 +60,16 @@ def controls(shape: ModelShape, base: TrainSetup, capacity: float | None = None)
         except ValueError as e:
             print(f"not a valid layout: {e}")
             return
-        stacked_bars([(f"tp{tp} pp{pp}\nmb{micro_batch} s{seq_length}\n{recompute}", est)], capacity,
-                     title=f"{est.total / GiB:.1f} GiB at the peak ({est.phase}, {est.stage} stage)")
+        stacked_bars(
+            [(f"tp{tp} pp{pp}\nmb{micro_batch} s{seq_length}\n{recompute}", est)],
+            capacity,
+            title=f"{est.total / GiB:.1f} GiB at the peak ({est.phase}, {est.stage} stage)",
+        )
         plt.show()
 
-    defaults = dict(micro_batch=base.micro_batch, seq_length=base.seq_length, tp=base.tp, pp=base.pp,
-                    recompute=base.recompute)
+    defaults = dict(
+        micro_batch=base.micro_batch, seq_length=base.seq_length, tp=base.tp, pp=base.pp, recompute=base.recompute
+    )
     draw(**defaults)
     try:
         import ipywidgets as w

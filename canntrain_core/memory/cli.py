@@ -12,11 +12,20 @@ from canntrain_core.sizing.devices import DEVICES, get_device, parse_bytes
 def register(subparsers) -> None:
     p = subparsers.add_parser("estimate", help="per-rank memory of a recipe, analytic (and measured with --measure)")
     p.add_argument("recipe", help="recipe YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe key, e.g. data.seq_length=4096 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. data.seq_length=4096 (repeatable)",
+    )
     p.add_argument("--measure", action="store_true", help="also run one step under FakeTensorMode and compare")
-    p.add_argument("--device-memory", default=None,
-                   help="capacity to check against: 64GiB, 80GB or a preset (default: the recipe's distributed.target_device)")
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        help="capacity to check against: 64GiB, 80GB or a preset (default: the recipe's distributed.target_device)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (bytes per category per method)")
     p.set_defaults(func=run_estimate)
 
@@ -31,8 +40,11 @@ def register(subparsers) -> None:
     q.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     q.add_argument("--offload-optimizer", action="store_true")
     q.add_argument("--top", type=int, default=10, help="how many fitting plans to print")
-    q.add_argument("--show-skipped", action="store_true",
-                   help="also count the layouts the trainer refuses, by reason (they are never ranked)")
+    q.add_argument(
+        "--show-skipped",
+        action="store_true",
+        help="also count the layouts the trainer refuses, by reason (they are never ranked)",
+    )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=run_plan)
 
@@ -83,8 +95,10 @@ def _estimate_alignment(recipe, cap, args) -> int:
     from canntrain_core.sizing.estimator import GiB
 
     if args.measure:
-        print("canntrain estimate: --measure: not for alignment stages (rlhf_ppo.ipynb measures a real run)",
-              file=sys.stderr)
+        print(
+            "canntrain estimate: --measure: not for alignment stages (rlhf_ppo.ipynb measures a real run)",
+            file=sys.stderr,
+        )
         return 2
     est = estimate_alignment(recipe)
     worst = max(est.trained_rank, est.scorer_rank)
@@ -94,8 +108,10 @@ def _estimate_alignment(recipe, cap, args) -> int:
         print(recipe.summary())
         print(est.table())
         if cap:
-            print(f"{'fits' if worst <= cap else 'does NOT fit'} in {cap / GiB:.1f} GiB ({worst / cap:.0%} used "
-                  "on the fullest rank)")
+            print(
+                f"{'fits' if worst <= cap else 'does NOT fit'} in {cap / GiB:.1f} GiB ({worst / cap:.0%} used "
+                "on the fullest rank)"
+            )
     return 0 if cap is None or worst <= cap else 1
 
 
@@ -110,22 +126,39 @@ def run_plan(args: argparse.Namespace) -> int:
     shape = shape_from_preset(args.model)
     base = TrainSetup(precision=args.precision, seq_length=args.seq_length, offload_optimizer=args.offload_optimizer)
     skipped: dict[str, int] = {}
-    plans = search(shape, args.devices, dev, args.devices_per_node, args.global_batch, base, memory_bytes=cap,
-                   skipped=skipped)
+    plans = search(
+        shape, args.devices, dev, args.devices_per_node, args.global_batch, base, memory_bytes=cap, skipped=skipped
+    )
     fitting = [p for p in plans if p.fits]
-    suggestions = [] if fitting else suggest_when_nothing_fits(
-        shape, args.devices, dev, args.devices_per_node, args.global_batch, base, cap)
+    suggestions = (
+        []
+        if fitting
+        else suggest_when_nothing_fits(shape, args.devices, dev, args.devices_per_node, args.global_batch, base, cap)
+    )
     if args.json:
-        print(json.dumps({"model": args.model, "devices": args.devices, "capacity": int(cap),
-                          "plans": [p.to_dict() for p in fitting],
-                          "infeasible": [p.to_dict() for p in plans if not p.fits],
-                          "refused": skipped,
-                          "suggestions": suggestions}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "devices": args.devices,
+                    "capacity": int(cap),
+                    "plans": [p.to_dict() for p in fitting],
+                    "infeasible": [p.to_dict() for p in plans if not p.fits],
+                    "refused": skipped,
+                    "suggestions": suggestions,
+                },
+                indent=2,
+            )
+        )
         return 0 if fitting else 1
-    print(f"{args.model}: {shape.num_params() / 1e9:.1f} B params on {args.devices} x {cap / GiB:.0f} GiB "
-          f"({dev.name}), seq {args.seq_length}, global batch {args.global_batch}")
-    print(f"{len(plans)} layouts the trainer accepts, {len(fitting)} fit"
-          + ("" if args.show_skipped or not skipped else " (others refused by the layout validator: --show-skipped)"))
+    print(
+        f"{args.model}: {shape.num_params() / 1e9:.1f} B params on {args.devices} x {cap / GiB:.0f} GiB "
+        f"({dev.name}), seq {args.seq_length}, global batch {args.global_batch}"
+    )
+    print(
+        f"{len(plans)} layouts the trainer accepts, {len(fitting)} fit"
+        + ("" if args.show_skipped or not skipped else " (others refused by the layout validator: --show-skipped)")
+    )
     if args.show_skipped:
         print("refused by the layout validator (count: reason):")
         for why, n in sorted(skipped.items(), key=lambda kv: -kv[1]):

@@ -78,14 +78,22 @@ def recipe_for(shape: ModelShape, s: TrainSetup):
     """The recipe that trains ``shape`` as ``s`` lays it out (what measure_fake hands to parallelize)."""
     from canntrain_core.recipe import load_recipe
 
-    return load_recipe(None, {
-        "model.overrides": llama_overrides(shape), "model.precision": s.precision,
-        "model.activation_checkpointing": s.recompute, "data.batch_size": s.micro_batch,
-        "data.seq_length": s.seq_length, "optim.grad_accum_steps": s.grad_accum,
-        "distributed.world_size": s.world_size, "distributed.tensor_parallel_size": s.tp,
-        "distributed.data_parallel_size": s.dp, "distributed.zero_optimization": s.zero,
-        "distributed.sequence_parallel": s.tp > 1 and s.sequence_parallel,
-    })
+    return load_recipe(
+        None,
+        {
+            "model.overrides": llama_overrides(shape),
+            "model.precision": s.precision,
+            "model.activation_checkpointing": s.recompute,
+            "data.batch_size": s.micro_batch,
+            "data.seq_length": s.seq_length,
+            "optim.grad_accum_steps": s.grad_accum,
+            "distributed.world_size": s.world_size,
+            "distributed.tensor_parallel_size": s.tp,
+            "distributed.data_parallel_size": s.dp,
+            "distributed.zero_optimization": s.zero,
+            "distributed.sequence_parallel": s.tp > 1 and s.sequence_parallel,
+        },
+    )
 
 
 def _check_supported(s: TrainSetup) -> None:
@@ -122,14 +130,16 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 2) -> Measuremen
     with fake_world(s.world_size):
         dims = ParallelDims.from_recipe(recipe.distributed)
         # the trainer's own build and parallelize, stopped before anything is allocated
-        model, _ = build_meta_model(recipe, build_config("tiny", recipe.model.overrides), torch.device("cpu"),
-                                    dims.build_mesh("cpu"), dims)
+        model, _ = build_meta_model(
+            recipe, build_config("tiny", recipe.model.overrides), torch.device("cpu"), dims.build_mesh("cpu"), dims
+        )
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
             ids = torch.randint(0, shape.vocab_size, (s.micro_batch, s.seq_length))
-            amp = (torch.autocast("cpu", dtype=_DTYPE[s.precision]) if s.precision != "fp32"
-                   else contextlib.nullcontext())
+            amp = (
+                torch.autocast("cpu", dtype=_DTYPE[s.precision]) if s.precision != "fp32" else contextlib.nullcontext()
+            )
             tracker = MemTracker()
             tracker.track_external(model, opt)
             with tracker, warnings.catch_warnings():
@@ -159,8 +169,9 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 2) -> Measuremen
 
 
 def _opt_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(_local_bytes(v) for st in opt.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return sum(
+        _local_bytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
 
 
 def _categorize(raw: dict[str, int], params: int, grads: int, states: int) -> dict[str, int]:
@@ -220,7 +231,9 @@ def measure_trainer_step(trainer) -> Measurement:
     params = sum(_local_bytes(p) for p in model.parameters())
     states = _opt_bytes(opt)
     model_states = {"parameters": params, "gradients": grads, "optimizer_states": states}
-    return Measurement(_categorize(raw, params, grads, states), raw["Total"], time.perf_counter() - t0, model_states, raw)
+    return Measurement(
+        _categorize(raw, params, grads, states), raw["Total"], time.perf_counter() - t0, model_states, raw
+    )
 
 
 class _NoHook:

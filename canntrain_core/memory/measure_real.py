@@ -29,8 +29,14 @@ def measure_real(shape: ModelShape, s: TrainSetup, steps: int = 2, device: str |
     if shape.num_params() > 2e9:
         raise ValueError(f"measure_real: {shape.num_params() / 1e9:.1f} B parameters is not a small model")
     acc = get_accelerator(device)
-    recipe = load_recipe(None, {"model.overrides": llama_overrides(shape), "model.precision": s.precision,
-                                "model.activation_checkpointing": s.recompute})
+    recipe = load_recipe(
+        None,
+        {
+            "model.overrides": llama_overrides(shape),
+            "model.precision": s.precision,
+            "model.activation_checkpointing": s.recompute,
+        },
+    )
     model = build_training_model(recipe, build_config("tiny", recipe.model.overrides), acc.device).model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     ids = torch.randint(0, shape.vocab_size, (s.micro_batch, s.seq_length), device=acc.device)

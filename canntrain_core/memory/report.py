@@ -67,7 +67,13 @@ def to_json(est: MemoryEstimate, meas: Measurement | None = None, capacity: floa
         out["capacity"] = int(capacity)
         out["fits"] = est.fits(capacity)
     if meas is not None:
-        out["measured"] = {"categories": meas.categories, "peak": meas.peak, "model_states": meas.model_states,
-                           "states": meas.states, "seconds": round(meas.seconds, 2), "tracker_raw": meas.raw_peak}
+        out["measured"] = {
+            "categories": meas.categories,
+            "peak": meas.peak,
+            "model_states": meas.model_states,
+            "states": meas.states,
+            "seconds": round(meas.seconds, 2),
+            "tracker_raw": meas.raw_peak,
+        }
         out["comparison"] = compare_rows(est, meas)
     return out

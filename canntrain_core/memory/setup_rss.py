@@ -64,9 +64,15 @@ def measure(out: str | Path, overrides: dict, path: str = "meta") -> dict:
         raise ValueError(f"path must be 'meta' or 'host', got {path!r}")
     build_optimizer(model, recipe.optim)  # AdamW allocates its states at the first step, after this
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
-    row = {"rank": rank, "world": world, "path": path, "runtime_rss": runtime, "setup_peak_rss": peak_rss_bytes(),
-           "local_param_bytes": local,
-           "largest_param_bytes": max(p.numel() * 4 for p in model.parameters())}
+    row = {
+        "rank": rank,
+        "world": world,
+        "path": path,
+        "runtime_rss": runtime,
+        "setup_peak_rss": peak_rss_bytes(),
+        "local_param_bytes": local,
+        "largest_param_bytes": max(p.numel() * 4 for p in model.parameters()),
+    }
     Path(out, f"rank{rank}.json").write_text(json.dumps(row))
     if world > 1:
         dist.destroy_process_group()

@@ -104,17 +104,23 @@ def select_kernels(model_config: Any, device: str | None = None) -> dict[str, Se
 def check_kernels_fit(config: Any, model_section: Any, applied: bool = False) -> None:
     """The fused kernels compute a Llama block: SiLU-gated MLP, attention without dropout. A RecipeError
     naming the key otherwise (the trainer asks before any work starts; ``applied``: they are being applied)."""
-    eager = getattr(model_section, "kernels", "eager") == "eager" and not getattr(model_section, "kernel_overrides", None)
+    eager = getattr(model_section, "kernels", "eager") == "eager" and not getattr(
+        model_section, "kernel_overrides", None
+    )
     if eager and not applied:
         return  # transformers' own modules run whatever the config says
     chosen_by = f"model.kernels={getattr(model_section, 'kernels', '?')}"
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise RecipeError(f"{chosen_by}: the fused swiglu kernel needs hidden_act silu, the model's config has "
-                          f"hidden_act {act!r}; use model.kernels=eager (transformers' own MLP)")
+        raise RecipeError(
+            f"{chosen_by}: the fused swiglu kernel needs hidden_act silu, the model's config has "
+            f"hidden_act {act!r}; use model.kernels=eager (transformers' own MLP)"
+        )
     if getattr(config, "attention_dropout", 0.0):
-        raise RecipeError(f"{chosen_by}: the fused attention has no dropout, the model's config has "
-                          "attention_dropout > 0; set it to 0 or use model.kernels=eager")
+        raise RecipeError(
+            f"{chosen_by}: the fused attention has no dropout, the model's config has "
+            "attention_dropout > 0; set it to 0 or use model.kernels=eager"
+        )
 
 
 def apply_kernels(model: torch.nn.Module, model_config: Any, device: str | None = None) -> torch.nn.Module:

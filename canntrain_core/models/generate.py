@@ -6,8 +6,15 @@ import torch
 
 
 @torch.no_grad()
-def sample_text(model, data, prompt: str = "def ", max_new_tokens: int = 64, temperature: float = 0.8,
-                top_k: int = 50, seed: int = 0) -> str:
+def sample_text(
+    model,
+    data,
+    prompt: str = "def ",
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+) -> str:
     """Continue ``prompt`` with top-k sampling.
 
     ``model`` is a CausalLM (or anything mapping token ids to logits); ``data`` is the DataBundle
@@ -31,8 +38,9 @@ def sample_text(model, data, prompt: str = "def ", max_new_tokens: int = 64, tem
 
 
 @torch.no_grad()
-def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None = None, multiple_of: int = 1
-           ) -> list[int]:
+def greedy(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None = None, multiple_of: int = 1
+) -> list[int]:
     """The most likely continuation of ``prompt_ids``, one argmax token at a time, stopping at EOS.
 
     ``model`` maps token ids [1, T] to logits [1, T, V] (a CausalLM, or a wrapper around a transformers

@@ -50,7 +50,8 @@ def read_config(directory: str | Path) -> LlamaConfig:
         raise HFFormatError(
             f"model.init_from: {directory} does not exist (relative paths start at {Path.cwd()}). Write it with "
             f"`canntrain export RUN_DIR -o {directory}` from a finished run; the tiny recipes' starts "
-            "(runs/tiny_pretrained_hf, runs/tiny_sft_hf and the task data) come from `canntrain start`")
+            "(runs/tiny_pretrained_hf, runs/tiny_sft_hf and the task data) come from `canntrain start`"
+        )
     if not path.is_file():
         raise HFFormatError(f"model.init_from: {path} not found (a Hugging Face model directory holds config.json)")
     try:
@@ -66,27 +67,37 @@ def read_config(directory: str | Path) -> LlamaConfig:
     return config
 
 
-def check_against_recipe(config: LlamaConfig, preset_fields: dict[str, Any] | None, overrides: dict[str, Any],
-                         source: Path) -> None:
+def check_against_recipe(
+    config: LlamaConfig, preset_fields: dict[str, Any] | None, overrides: dict[str, Any], source: Path
+) -> None:
     """With init_from the file defines the model: a preset set explicitly, or an override, that says
     otherwise is an error naming the field."""
     problems = []
     for key, want in (preset_fields or {}).items():
         if key != "vocab_size" and getattr(config, key, None) != want:
-            problems.append(f"model.preset sets {key}={want}, {source / 'config.json'} has {getattr(config, key, None)}")
+            problems.append(
+                f"model.preset sets {key}={want}, {source / 'config.json'} has {getattr(config, key, None)}"
+            )
     for key, want in overrides.items():
         if getattr(config, key, None) != want:
-            problems.append(f"model.overrides.{key}={want!r}, {source / 'config.json'} has {getattr(config, key, None)!r}")
+            problems.append(
+                f"model.overrides.{key}={want!r}, {source / 'config.json'} has {getattr(config, key, None)!r}"
+            )
     if problems:
-        raise BadInput("model.init_from: the recipe contradicts the checkpoint's config (with init_from the "
-                       "architecture comes from config.json; drop model.preset / model.overrides):\n  "
-                       + "\n  ".join(problems))
+        raise BadInput(
+            "model.init_from: the recipe contradicts the checkpoint's config (with init_from the "
+            "architecture comes from config.json; drop model.preset / model.overrides):\n  " + "\n  ".join(problems)
+        )
 
 
 # Which config key a tensor's dimension shows: (tensor name suffix, dimension) -> key.
-_SHAPE_KEYS = {("embed_tokens.weight", 0): "vocab_size", ("embed_tokens.weight", 1): "hidden_size",
-               ("mlp.up_proj.weight", 0): "intermediate_size", ("self_attn.q_proj.weight", 0): "num_attention_heads",
-               ("self_attn.k_proj.weight", 0): "num_key_value_heads"}
+_SHAPE_KEYS = {
+    ("embed_tokens.weight", 0): "vocab_size",
+    ("embed_tokens.weight", 1): "hidden_size",
+    ("mlp.up_proj.weight", 0): "intermediate_size",
+    ("self_attn.q_proj.weight", 0): "num_attention_heads",
+    ("self_attn.k_proj.weight", 0): "num_key_value_heads",
+}
 
 
 def check_weights(config: LlamaConfig, directory: str | Path) -> None:
@@ -110,7 +121,8 @@ def check_weights(config: LlamaConfig, directory: str | Path) -> None:
         shaped = [(n, available[n]["shape"]) for n in expected if n.endswith(suffix) and n in available]
         wrong = [(n, s) for n, s in shaped if len(s) > dim and s[dim] != expected[n][dim]]
         if shaped and len(wrong) == len(shaped) and key not in keys:
-            keys[key] = f"config.json's {key}={getattr(config, key)} disagrees with the tensors ({wrong[0][0]} is {wrong[0][1]})"
+            name, shape = wrong[0]
+            keys[key] = f"config.json's {key}={getattr(config, key)} disagrees with the tensors ({name} is {shape})"
     for name, shape in expected.items():
         have = available.get(name)
         if have is None or have["shape"] == shape:
@@ -118,14 +130,24 @@ def check_weights(config: LlamaConfig, directory: str | Path) -> None:
         problems.append(f"{name} in {have['file']}: shape {have['shape']}, the model needs {shape}")
     layers = {int(n.split(".")[2]) for n in available if n.startswith("model.layers.")}
     if layers and max(layers) + 1 != config.num_hidden_layers:
-        keys["num_hidden_layers"] = (f"config.json's num_hidden_layers={config.num_hidden_layers} disagrees with the "
-                                     f"tensors (they hold {max(layers) + 1} layers)")
+        keys["num_hidden_layers"] = (
+            f"config.json's num_hidden_layers={config.num_hidden_layers} disagrees with the "
+            f"tensors (they hold {max(layers) + 1} layers)"
+        )
     if "lm_head.weight" in available and config.tie_word_embeddings:
-        keys["tie_word_embeddings"] = ("config.json's tie_word_embeddings=true, but the files hold an lm_head.weight "
-                                       "of their own (set it to false to use it)")
-    if "lm_head.weight" not in available and not config.tie_word_embeddings and "model.embed_tokens.weight" in available:
-        keys["tie_word_embeddings"] = ("config.json's tie_word_embeddings=false, but the files hold no lm_head.weight "
-                                       "(a tied model: set it to true)")
+        keys["tie_word_embeddings"] = (
+            "config.json's tie_word_embeddings=true, but the files hold an lm_head.weight "
+            "of their own (set it to false to use it)"
+        )
+    if (
+        "lm_head.weight" not in available
+        and not config.tie_word_embeddings
+        and "model.embed_tokens.weight" in available
+    ):
+        keys["tie_word_embeddings"] = (
+            "config.json's tie_word_embeddings=false, but the files hold no lm_head.weight "
+            "(a tied model: set it to true)"
+        )
     if not keys:  # what is left is not explained by one key: name the tensors
         missing = [n for n in expected if n not in available]
         unused = [n for n in available if n not in expected]
@@ -195,14 +217,17 @@ def load_weights(model: torch.nn.Module, directory: str | Path, skip=lambda name
         if key not in available:
             problems.append(f"{key}: missing from {d} (no safetensors file holds it)")
         elif list(p.shape) != available[key]["shape"]:
-            problems.append(f"{key} in {available[key]['file']}: shape {available[key]['shape']}, "
-                            f"the model needs {list(p.shape)}")
+            problems.append(
+                f"{key} in {available[key]['file']}: shape {available[key]['shape']}, the model needs {list(p.shape)}"
+            )
     if problems:
         raise HFFormatError(f"model.init_from: {d} does not fit the model:\n  " + "\n  ".join(problems))
     with single_process_ok():
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)))
-    return [{"tensor": key, "file": available[key]["file"], "shape": list(p.shape), "slice": _slice(p)}
-            for key, p in state.items()]
+    return [
+        {"tensor": key, "file": available[key]["file"], "shape": list(p.shape), "slice": _slice(p)}
+        for key, p in state.items()
+    ]
 
 
 def _slice(p: torch.Tensor) -> str:
@@ -229,8 +254,10 @@ def tokenizer_eos(directory: str | Path, config: LlamaConfig, tokenizer) -> int:
     if eos_id is None:
         eos_id = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
     if eos_id is None:
-        raise HFFormatError(f"{d / 'tokenizer.json'}: no EOS token (neither tokenizer_config.json's eos_token nor "
-                            "config.json's eos_token_id); documents need one between them")
+        raise HFFormatError(
+            f"{d / 'tokenizer.json'}: no EOS token (neither tokenizer_config.json's eos_token nor "
+            "config.json's eos_token_id); documents need one between them"
+        )
     return int(eos_id)
 
 

@@ -40,8 +40,9 @@ class BuiltModel:
     loaded: list[dict[str, Any]] = field(default_factory=list)  # init_from: this rank's tensors and slices
 
 
-def build_meta_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, head: str = "lm",
-                     trainable: bool = True):
+def build_meta_model(
+    recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, head: str = "lm", trainable: bool = True
+):
     """Steps 1-3: the parallelized CausalLM on ``meta`` and its pipeline schedule (or None).
 
     ``mesh`` and ``dims`` come from ``runtime.distributed``; leave them out on one device. The memory
@@ -83,8 +84,16 @@ def tie_head(model: CausalLM, config: LlamaConfig) -> None:
         model.lm_head.weight = embed.weight
 
 
-def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None,
-                         fill: bool = True, head: str = "lm", trainable: bool = True) -> BuiltModel:
+def build_training_model(
+    recipe,
+    config: LlamaConfig,
+    device: torch.device,
+    mesh=None,
+    dims=None,
+    fill: bool = True,
+    head: str = "lm",
+    trainable: bool = True,
+) -> BuiltModel:
     """Steps 1-5 above for ``recipe`` (its model, distributed and seed) on ``device``.
 
     ``fill=False`` skips step 5's weights (a resumed run loads every one of them from its checkpoint;
@@ -110,8 +119,9 @@ def build_training_model(recipe, config: LlamaConfig, device: torch.device, mesh
     return BuiltModel(model, config, schedule, source, loaded)
 
 
-def build_frozen_model(recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, fill: bool = True,
-                       head: str = "lm") -> CausalLM:
+def build_frozen_model(
+    recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, fill: bool = True, head: str = "lm"
+) -> CausalLM:
     """A model that only runs (DPO's and GRPO's reference, PPO's reference and reward model): laid out as the
     trained one, without gradients, in eval mode; ``fill`` and ``head`` as for :func:`build_training_model`."""
     model = build_training_model(recipe, config, device, mesh, dims, fill, head, trainable=False).model

@@ -32,9 +32,15 @@ class CausalLM(nn.Module):
         layers = self.model.layers
         return layers.values() if isinstance(layers, nn.ModuleDict) else layers
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
         """Token ids (or, on a later pipeline stage, hidden states) in; loss, logits or hidden states out.
 
         With ``targets`` (-100 where nothing is trained): the mean next-token loss over the trained

@@ -26,9 +26,15 @@ def is_adapter(name: str) -> bool:
 def peft_config(lora, base: str | None = None):
     from peft import LoraConfig
 
-    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM",
-                      base_model_name_or_path=base)
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+    )
 
 
 def apply_lora(hf_model: torch.nn.Module, lora) -> None:

@@ -44,8 +44,15 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], max_new: int, pad_id: int, temperature: float = 1.0,
-             top_k: int = 0, stop_ids: tuple[int, ...] = ()) -> list[list[int]]:
+def generate(
+    model,
+    prompts: list[list[int]],
+    max_new: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    stop_ids: tuple[int, ...] = (),
+) -> list[list[int]]:
     """``max_new`` new tokens for each prompt (``temperature`` 0: greedy), decoded with a KV cache.
 
     ``stop_ids``: end tokens; once every row has generated one, decoding stops (rows may then be shorter
@@ -62,8 +69,8 @@ def generate(model, prompts: list[list[int]], max_new: int, pad_id: int, tempera
     ids = torch.full((len(prompts), P), pad_id, dtype=torch.long, device=device)
     real = torch.zeros((len(prompts), P), dtype=torch.bool, device=device)
     for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p, device=device)
-        real[i, P - len(p):] = True
+        ids[i, P - len(p) :] = torch.tensor(p, device=device)
+        real[i, P - len(p) :] = True
     positions = (real.cumsum(-1) - 1).clamp(min=0)
     causal = torch.ones((P, P), dtype=torch.bool, device=device).tril()
     # a padded query attends to itself only: no row of the mask is empty (an empty row gives NaN)
@@ -87,15 +94,25 @@ def generate(model, prompts: list[list[int]], max_new: int, pad_id: int, tempera
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], n: int, max_new: int, eos_id: int, temperature: float = 1.0,
-           top_k: int = 0, pad_id: int | None = None) -> Rollout:
+def sample(
+    model,
+    prompts: list[list[int]],
+    n: int,
+    max_new: int,
+    eos_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    pad_id: int | None = None,
+) -> Rollout:
     """``n`` responses to each prompt (``temperature`` 0: greedy), each cut after its first end token."""
     was_training = model.training
     model.eval()
     pad = pad_id if pad_id is not None else eos_id
     expanded = [p for p in prompts for _ in range(n)]
-    responses = [row[: row.index(eos_id) + 1] if eos_id in row else row
-                 for row in generate(model, expanded, max_new, pad, temperature, top_k)]
+    responses = [
+        row[: row.index(eos_id) + 1] if eos_id in row else row
+        for row in generate(model, expanded, max_new, pad, temperature, top_k)
+    ]
     model.train(was_training)
     return layout(expanded, responses, eos_id, pad)
 

@@ -29,8 +29,14 @@ def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool
             layer.compile()
     if dims.dp_shard > 1:
         dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
-        apply_fsdp(model, mesh[dp_names], recipe.distributed.zero_optimization, recipe.model.precision,
-                   recipe.optim.offload_optimizer, pipeline=dims.pp > 1)
+        apply_fsdp(
+            model,
+            mesh[dp_names],
+            recipe.distributed.zero_optimization,
+            recipe.model.precision,
+            recipe.optim.offload_optimizer,
+            pipeline=dims.pp > 1,
+        )
     elif dims.dp_replicate > 1 and trainable:
         apply_ddp(model, mesh["dp_replicate"])
     if dims.pp > 1:

@@ -29,14 +29,16 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def apply_fsdp(model, dp_mesh: DeviceMesh, zero_stage: int, precision: str = "fp32", offload: bool = False,
-               pipeline: bool = False) -> None:
+def apply_fsdp(
+    model, dp_mesh: DeviceMesh, zero_stage: int, precision: str = "fp32", offload: bool = False, pipeline: bool = False
+) -> None:
     reshard = zero_stage >= 3 and not pipeline
     kwargs = {
         "mesh": dp_mesh,
         "reshard_after_forward": reshard,
         "mp_policy": MixedPrecisionPolicy(param_dtype=_HALF[precision], reduce_dtype=torch.float32)
-        if precision in _HALF else MixedPrecisionPolicy(),
+        if precision in _HALF
+        else MixedPrecisionPolicy(),
         # pinned host memory only pays (and only exists) with an accelerator to copy to
         "offload_policy": CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if offload else OffloadPolicy(),
     }

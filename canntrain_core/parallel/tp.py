@@ -43,9 +43,11 @@ def _sequence_parallel_layer_plan() -> dict:
     gather = dict(desired_input_layouts=(Replicate(),), use_local_output=False)
     return {
         "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                        use_local_output=False),
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=False,
+        ),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
@@ -65,8 +67,11 @@ def apply_tp(model, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> Non
         return
     m = model.model
     if m.embed_tokens is not None:  # replicated embedding; its output is split along the sequence
-        parallelize_module(m.embed_tokens, tp_mesh, PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+        parallelize_module(
+            m.embed_tokens,
+            tp_mesh,
+            PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
+        )
     if m.norm is not None:  # the final norm on the last pipeline stage; CausalLM gathers its output
         parallelize_module(m.norm, tp_mesh, SequenceParallel())
     for layer in model.layers():

@@ -47,7 +47,9 @@ def read_pairs(path: str | Path, on_bad_record: str = "error") -> tuple[list[Pai
                     rec = json.loads(raw.decode("utf-8"))
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
                     raise BadRecord(f"not a JSON line ({e})") from None
-                if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("prompt", "chosen", "rejected")):
+                if not isinstance(rec, dict) or not all(
+                    isinstance(rec.get(k), str) for k in ("prompt", "chosen", "rejected")
+                ):
                     raise BadRecord("a preference pair needs strings 'prompt', 'chosen' and 'rejected'")
                 if not rec["chosen"].strip() or not rec["rejected"].strip():
                     raise BadRecord("empty chosen or rejected answer")
@@ -79,8 +81,9 @@ def pad_rows(seqs: list[list[int]], pad_id: int, length: int | None = None) -> t
     return ids, mask
 
 
-def read_prompts(path: str | Path, fmt_name: str = "auto", on_bad_record: str = "error"
-                 ) -> tuple[list[Conversation], list[str]]:
+def read_prompts(
+    path: str | Path, fmt_name: str = "auto", on_bad_record: str = "error"
+) -> tuple[list[Conversation], list[str]]:
     """Conversations whose final answer is the scorer's reference."""
     return read_conversations(path, fmt_name, on_bad_record)
 
@@ -152,8 +155,16 @@ class PromptBundle(TokenText):
         return self.decode(response[:-1] if response and response[-1] == self.eos_id else response)
 
 
-def build_prompt_data(cfg, seed: int, max_new: int, dp_rank: int = 0, dp_size: int = 1, tokenizer=None,
-                      vocab_size=None, chat_template=None) -> PromptBundle:
+def build_prompt_data(
+    cfg,
+    seed: int,
+    max_new: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    tokenizer=None,
+    vocab_size=None,
+    chat_template=None,
+) -> PromptBundle:
     """The prompts of ``cfg.source`` (instruction records), split into train and held-out by name. A prompt
     leaves room for ``max_new`` generated tokens within ``data.seq_length``, or is a bad record."""
     from canntrain_core.data.sampler import ResumableSampler
@@ -166,20 +177,42 @@ def build_prompt_data(cfg, seed: int, max_new: int, dp_rank: int = 0, dp_size: i
     for c in convs:
         enc = fmt.encode(c, "last")
         if enc.prompt_len + max_new > cfg.seq_length:
-            why = (f"over-long: a {enc.prompt_len}-token prompt + rlhf.generate_max_length {max_new} > "
-                   f"data.seq_length {cfg.seq_length}")
+            why = (
+                f"over-long: a {enc.prompt_len}-token prompt + rlhf.generate_max_length {max_new} > "
+                f"data.seq_length {cfg.seq_length}"
+            )
             if cfg.on_bad_record == "error":
-                raise DataError(f"{cfg.source}, line {c.name.rsplit(':', 1)[1]}: {why} (or set data.on_bad_record=skip)")
+                raise DataError(
+                    f"{cfg.source}, line {c.name.rsplit(':', 1)[1]}: {why} (or set data.on_bad_record=skip)"
+                )
             bad.append(f"{c.name}: {why}")
             continue
         (val if _is_val(c.name, cfg.val_fraction) else train).append((enc.ids[: enc.prompt_len], c.answer))
     if not train or (cfg.val_fraction > 0 and not val):
-        raise DataError(f"{cfg.source}: {len(train)} training and {len(val)} held-out prompts; both must be "
-                        "non-empty (data.val_fraction, data.seq_length; data.val_fraction 0: no held-out score)")
+        raise DataError(
+            f"{cfg.source}: {len(train)} training and {len(val)} held-out prompts; both must be "
+            "non-empty (data.val_fraction, data.seq_length; data.val_fraction 0: no held-out score)"
+        )
     sampler = ResumableSampler(len(train), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
-    info = {"source": str(cfg.source), "records": len(convs), "bad_records": len(bad), "bad_record_examples": bad[:10],
-            "train_prompts": len(train), "val_prompts": len(val), "tokenizer_path": str(tokenizer.path),
-            "tokenizer_source": "given", "chat_template": fmt.source if chat_template is not None else "data.template"}
-    return PromptBundle(cfg, tokenizer.tokenizer, vocab_size or cfg.tokenizer.vocab_size, tokenizer.eos_id, fmt,
-                        train, val, sampler, info)
-
+    info = {
+        "source": str(cfg.source),
+        "records": len(convs),
+        "bad_records": len(bad),
+        "bad_record_examples": bad[:10],
+        "train_prompts": len(train),
+        "val_prompts": len(val),
+        "tokenizer_path": str(tokenizer.path),
+        "tokenizer_source": "given",
+        "chat_template": fmt.source if chat_template is not None else "data.template",
+    }
+    return PromptBundle(
+        cfg,
+        tokenizer.tokenizer,
+        vocab_size or cfg.tokenizer.vocab_size,
+        tokenizer.eos_id,
+        fmt,
+        train,
+        val,
+        sampler,
+        info,
+    )

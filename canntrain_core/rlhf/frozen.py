@@ -57,8 +57,9 @@ class FrozenModels:
         self.reference, self.reward_model, self.temperature = reference, reward_model, temperature
 
     @classmethod
-    def build(cls, recipe, config, device, mesh=None, dims=None, cast: bool = False, reward_ckpt=None
-              ) -> "FrozenModels":
+    def build(
+        cls, recipe, config, device, mesh=None, dims=None, cast: bool = False, reward_ckpt=None
+    ) -> "FrozenModels":
         """The frozen models of ``recipe``, laid out by ``mesh``/``dims`` (shared placement: as the actor);
         ``cast``: stored in the recipe's 16-bit precision (a scorer rank's whole copies; they never train);
         ``reward_ckpt``: :func:`reward_checkpoint` of ``rlhf.reward_model``, already verified."""

@@ -25,6 +25,7 @@ from canntrain_core.rlhf.online import OnlineTrainer
 
 class GRPOTrainer(OnlineTrainer):
     train_modes = ("grpo",)
+
     def build_model(self, config, fill: bool):
         built = super().build_model(config, fill)
         self.policy, self.reference = built.model, None
@@ -64,33 +65,48 @@ class GRPOTrainer(OnlineTrainer):
                     with self.compute():
                         logp = token_logprobs(self.model, ids[mb], T)
                     a = adv[mb][:, None].expand_as(logp)
-                    pg, clip_frac = clipped_policy_loss(logp, old[mb], a, m, h.clip_range, h.clip_range_high,
-                                                        tokens=tokens, **agg)
+                    pg, clip_frac = clipped_policy_loss(
+                        logp, old[mb], a, m, h.clip_range, h.clip_range_high, tokens=tokens, **agg
+                    )
                     kl = torch.zeros((), device=logp.device)
                     if ref is not None:
-                        kl = aggregate(kl_penalty(logp, ref[mb], estimator), m, h.loss_aggregation,
-                                       h.generate_max_length, tokens)
+                        kl = aggregate(
+                            kl_penalty(logp, ref[mb], estimator), m, h.loss_aggregation, h.generate_max_length, tokens
+                        )
                     self.scaler.scale(pg + h.kl_coeff * kl).backward()
                     ppo_kl = masked_mean(old[mb] - logp.detach(), m)
-                    for k, v in (("actor/grad_norm", self.optimizer_step()), ("actor/pg_loss", pg),
-                                 ("actor/pg_clipfrac", clip_frac), ("actor/ppo_kl", ppo_kl),
-                                 *((("actor/kl_loss", kl),) if ref is not None else ())):
+                    for k, v in (
+                        ("actor/grad_norm", self.optimizer_step()),
+                        ("actor/pg_loss", pg),
+                        ("actor/pg_clipfrac", clip_frac),
+                        ("actor/ppo_kl", ppo_kl),
+                        *((("actor/kl_loss", kl),) if ref is not None else ()),
+                    ):
                         stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else v)
             t3 = time.perf_counter()
             gen_tokens = float(mask.sum())
             lengths = mask.sum(-1)
-            record = {"true_score/mean": float(scores.mean()),
-                      "critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
-                      "critic/score/min": float(scores.min()),
-                      "response_length/mean": gen_tokens / len(ids),
-                      "response_length/clip_ratio": float((lengths == h.generate_max_length).float().mean()),
-                      "actor/entropy": float(aggregate(ent, mask, "bnpo" if h.loss_aggregation == "dapo"
-                                                       else h.loss_aggregation, h.generate_max_length)),
-                      "lr": lr, **({"actor/kl_coef": h.kl_coeff} if ref is not None else {}),
-                      **{k: sum(v) / len(v) for k, v in stats.items()},
-                      "timing_s/gen": t1 - t0, "timing_s/score": t2 - t1, "timing_s/update": t3 - t2,
-                      "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
-                      "perf/train_tokens_per_second": h.ppo_epochs * ids.numel() / (t3 - t2)}
+            record = {
+                "true_score/mean": float(scores.mean()),
+                "critic/score/mean": float(scores.mean()),
+                "critic/score/max": float(scores.max()),
+                "critic/score/min": float(scores.min()),
+                "response_length/mean": gen_tokens / len(ids),
+                "response_length/clip_ratio": float((lengths == h.generate_max_length).float().mean()),
+                "actor/entropy": float(
+                    aggregate(
+                        ent, mask, "bnpo" if h.loss_aggregation == "dapo" else h.loss_aggregation, h.generate_max_length
+                    )
+                ),
+                "lr": lr,
+                **({"actor/kl_coef": h.kl_coeff} if ref is not None else {}),
+                **{k: sum(v) / len(v) for k, v in stats.items()},
+                "timing_s/gen": t1 - t0,
+                "timing_s/score": t2 - t1,
+                "timing_s/update": t3 - t2,
+                "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
+                "perf/train_tokens_per_second": h.ppo_epochs * ids.numel() / (t3 - t2),
+            }
             if self.finish_iteration(record, stop_after, bar):
                 break
         bar.close()

@@ -24,8 +24,9 @@ class OnlineTrainer(Trainer):
 
     def build_data(self, config):
         r = self.recipe
-        return build_prompt_data(r.data, r.experiment.seed, r.rlhf.generate_max_length, *self.dp,
-                                 **self.tokenizer_args(config))
+        return build_prompt_data(
+            r.data, r.experiment.seed, r.rlhf.generate_max_length, *self.dp, **self.tokenizer_args(config)
+        )
 
     def next_prompts(self, it) -> list[tuple[list[int], str]]:
         picked = [self.data.train[next(it)] for _ in range(self.recipe.data.batch_size)]
@@ -39,8 +40,9 @@ class OnlineTrainer(Trainer):
     def rollout(self, prompts, n: int, temperature: float):
         h = self.recipe.rlhf
         with self.compute():
-            return sample(self.policy, [p for p, _ in prompts], n, h.generate_max_length, self.data.eos_id,
-                          temperature, h.top_k)
+            return sample(
+                self.policy, [p for p, _ in prompts], n, h.generate_max_length, self.data.eos_id, temperature, h.top_k
+            )
 
     def true_scores(self, ro, prompts, n: int = 1) -> torch.Tensor:
         """The programmatic score of every response (``n`` per prompt, in the rollout's order)."""
@@ -54,8 +56,9 @@ class OnlineTrainer(Trainer):
         if not self.data.val:
             return {}
         with self.compute():
-            return heldout_scores(self.policy, self.data, self.recipe.logging.eval_exact_match or 32,
-                                  self.recipe.rlhf.generate_max_length)
+            return heldout_scores(
+                self.policy, self.data, self.recipe.logging.eval_exact_match or 32, self.recipe.rlhf.generate_max_length
+            )
 
     def samples(self, n: int = 4) -> list[tuple[str, str, str]]:
         """(prompt, greedy answer, reference) for the first ``n`` held-out prompts: what the numbers mean."""
@@ -73,8 +76,12 @@ class OnlineTrainer(Trainer):
         return float(grad_norm)
 
     def progress_bar(self) -> tqdm:
-        return tqdm(total=self.recipe.optim.max_steps, initial=self.step, desc=self.recipe.experiment.name,
-                    disable=not self.progress)
+        return tqdm(
+            total=self.recipe.optim.max_steps,
+            initial=self.step,
+            desc=self.recipe.experiment.name,
+            disable=not self.progress,
+        )
 
     def finish_iteration(self, record: dict, stop_after: int | None, bar: tqdm) -> bool:
         """Schedule, log, evaluate, checkpoint; True when the run should stop here. Every rank holds the
@@ -97,8 +104,11 @@ class OnlineTrainer(Trainer):
     def _averaged(self, record: dict) -> dict:
         if self.dims.dp == 1:
             return record
-        keys = sorted(k for k in record if not k.startswith(("val_", "timing_s/", "lr", "actor/reward_kl_penalty_coeff",
-                                                            "actor/kl_coef")))
+        keys = sorted(
+            k
+            for k in record
+            if not k.startswith(("val_", "timing_s/", "lr", "actor/reward_kl_penalty_coeff", "actor/kl_coef"))
+        )
         means = [k for k in keys if not k.endswith(("/max", "/min"))]
         sign = {k: -1.0 if k.endswith("/min") else 1.0 for k in keys if k not in means}  # min = -max(-x)
         values = torch.tensor([float(record[k]) for k in means], device=self.acc.device)
@@ -118,5 +128,7 @@ def heldout_scores(policy, data, n: int, max_new: int) -> dict[str, float]:
     prompts = data.val[:n]
     ro = sample(policy, [p for p, _ in prompts], 1, max_new, data.eos_id, 0.0)
     answers = [data.answer_text(r) for r in ro.responses]
-    return {"val_score": sum(partial_score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts),
-            "val_exact_match": sum(score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts)}
+    return {
+        "val_score": sum(partial_score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts),
+        "val_exact_match": sum(score(a, ref) for a, (_, ref) in zip(answers, prompts)) / len(prompts),
+    }

@@ -34,7 +34,9 @@ class PairBundle(TokenText):
         from canntrain_core.rlhf.data import _is_val
 
         if tokenizer is None:
-            raise DataError("preference training starts from a fine-tuned model: model.init_from must hold tokenizer.json")
+            raise DataError(
+                "preference training starts from a fine-tuned model: model.init_from must hold tokenizer.json"
+            )
         pairs, bad = read_pairs(cfg.source, cfg.on_bad_record)
         self.cfg, self.tokenizer, self.eos_id = cfg, tokenizer.tokenizer, tokenizer.eos_id
         self.vocab_size = vocab_size or cfg.tokenizer.vocab_size
@@ -47,7 +49,9 @@ class PairBundle(TokenText):
             if ro.ids.shape[1] > L:  # a pair is never truncated: both answers would lose what tells them apart
                 why = f"over-long: {ro.ids.shape[1]} tokens > {L} (data.seq_length + 1)"
                 if cfg.on_bad_record == "error":
-                    raise DataError(f"{cfg.source}, line {p.name.rsplit(':', 1)[1]}: {why} (or set data.on_bad_record=skip)")
+                    raise DataError(
+                        f"{cfg.source}, line {p.name.rsplit(':', 1)[1]}: {why} (or set data.on_bad_record=skip)"
+                    )
                 bad.append(f"{p.name}: {why}")
                 continue
             ids = torch.full((2, L), self.eos_id)
@@ -57,10 +61,17 @@ class PairBundle(TokenText):
             rows["val" if _is_val(p.name, cfg.val_fraction) else "train"].append({"ids": ids, "mask": mask})
         self.train, self.val = rows["train"], rows["val"]
         self.sampler = ResumableSampler(len(self.train), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
-        self.info = {"source": str(cfg.source), "pairs": len(pairs), "train_pairs": len(self.train),
-                     "val_pairs": len(self.val), "bad_records": len(bad), "bad_record_examples": bad[:10], "tokenizer_source": "given",
-                     "tokenizer_path": str(tokenizer.path),
-                     "chat_template": fmt.source if chat_template is not None else "data.template"}
+        self.info = {
+            "source": str(cfg.source),
+            "pairs": len(pairs),
+            "train_pairs": len(self.train),
+            "val_pairs": len(self.val),
+            "bad_records": len(bad),
+            "bad_record_examples": bad[:10],
+            "tokenizer_source": "given",
+            "tokenizer_path": str(tokenizer.path),
+            "chat_template": fmt.source if chat_template is not None else "data.template",
+        }
         self.format = fmt
 
     def train_loader(self):
@@ -71,14 +82,16 @@ class PairBundle(TokenText):
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
         total = min(n_samples, len(self.val)) // (batch_size * dp_size) * batch_size * dp_size
         mine = list(range(dp_rank, total, dp_size))
-        return [{k: torch.stack([self.val[i][k] for i in mine[j:j + batch_size]]) for k in ("ids", "mask")}
-                for j in range(0, len(mine), batch_size)]
-
+        return [
+            {k: torch.stack([self.val[i][k] for i in mine[j : j + batch_size]]) for k in ("ids", "mask")}
+            for j in range(0, len(mine), batch_size)
+        ]
 
 
 class PairTrainer(Trainer):
     formats_conversations = True
     accuracy_key = "val_accuracy"  # the held-out share of pairs ordered right, by TRL's name for the stage
+
     def build_data(self, config):
         r = self.recipe
         return PairBundle(r.data, r.experiment.seed, *self.dp, **self.tokenizer_args(config))
@@ -112,13 +125,18 @@ class PairTrainer(Trainer):
 
 class RewardTrainer(PairTrainer):
     train_modes = ("reward",)
-    not_a_language_model = ("a reward model scores answers with a one-row head, it is not a language model; "
-                            "PPO reads its checkpoint as it is (rlhf.reward_model)")
+    not_a_language_model = (
+        "a reward model scores answers with a one-row head, it is not a language model; "
+        "PPO reads its checkpoint as it is (rlhf.reward_model)"
+    )
+
     def models(self) -> dict:
         return {"reward": self.model}
 
     def build_model(self, config, fill: bool):
-        return build_training_model(self.recipe, config, self.acc.device, self.mesh, self.dims, fill=fill, head="scalar")
+        return build_training_model(
+            self.recipe, config, self.acc.device, self.mesh, self.dims, fill=fill, head="scalar"
+        )
 
     def pair_loss(self, b):
         ids, mask = b["ids"].to(self.acc.device), b["mask"].to(self.acc.device)
@@ -129,6 +147,7 @@ class RewardTrainer(PairTrainer):
 class DPOTrainer(PairTrainer):
     train_modes = ("dpo",)
     accuracy_key = "val_rewards/accuracies"
+
     def models(self) -> dict:
         return {"policy": self.model, "reference": self.reference}
 
@@ -145,4 +164,3 @@ class DPOTrainer(PairTrainer):
         h = self.recipe.rlhf
         loss, margin = dpo_loss(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], h.beta, h.label_smoothing)
         return loss.mean(), (margin > 0).float().mean()
-

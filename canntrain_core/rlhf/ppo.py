@@ -33,7 +33,12 @@ import torch
 from torch import nn
 
 from canntrain_core.losses import (
-    clipped_policy_loss, clipped_value_loss, gae, kl_penalty, masked_mean, masked_whiten,
+    clipped_policy_loss,
+    clipped_value_loss,
+    gae,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
 )
 from canntrain_core.models.lifecycle import BuiltModel, build_training_model
 from canntrain_core.models.rollout import token_logprobs, token_values
@@ -54,6 +59,7 @@ class ActorCritic(nn.Module):
 class PPOTrainer(OnlineTrainer):
     train_modes = ("ppo",)
     language_model = "actor."  # the actor is the language model it trains; the critic stays behind
+
     @staticmethod
     def extra_ranks(recipe) -> int:
         h = recipe.rlhf
@@ -65,8 +71,9 @@ class PPOTrainer(OnlineTrainer):
         r, h, dev = self.recipe, self.recipe.rlhf, self.acc.device
         rm = reward_checkpoint(h.reward_model) if h.reward_model else None  # a bad path fails before any weights
         actor = build_training_model(r, config, dev, self.mesh, self.dims, fill=fill)
-        critic = build_training_model(r, config, dev, self.mesh, self.dims, fill=fill and not h.reward_model,
-                                      head="scalar").model
+        critic = build_training_model(
+            r, config, dev, self.mesh, self.dims, fill=fill and not h.reward_model, head="scalar"
+        ).model
         if fill and rm:  # the critic starts as the reward model (OpenRLHF's default)
             load_model_weights(rm, critic, verify=False)
         if h.device_placement == "shared":
@@ -75,8 +82,9 @@ class PPOTrainer(OnlineTrainer):
             from canntrain_core.runtime.distributed import exchange_group
 
             group, me = exchange_group()
-            self.frozen = RemoteFrozenModels(group, r.distributed.world_size + me % h.scorer_ranks, h.kl_coeff > 0,
-                                             bool(h.reward_model))
+            self.frozen = RemoteFrozenModels(
+                group, r.distributed.world_size + me % h.scorer_ranks, h.kl_coeff > 0, bool(h.reward_model)
+            )
         self.policy, self.critic, self.kl_coeff = actor.model, critic, h.kl_coeff
         return BuiltModel(ActorCritic(actor.model, critic), config, None, actor.source, actor.loaded)
 
@@ -111,10 +119,17 @@ class PPOTrainer(OnlineTrainer):
                 t3 = time.perf_counter()
                 self.adapt_kl(exp["kl_sum"])
                 gen_tokens, ids = float(exp["mask"].sum()), exp["ids"]
-                record.update({"lr": lr, "response_length/mean": gen_tokens / len(ids),
-                               "timing_s/gen": t1 - t0, "timing_s/score": t2 - t1, "timing_s/update": t3 - t2,
-                               "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
-                               "perf/train_tokens_per_second": r.rlhf.ppo_epochs * ids.numel() / (t3 - t2)})
+                record.update(
+                    {
+                        "lr": lr,
+                        "response_length/mean": gen_tokens / len(ids),
+                        "timing_s/gen": t1 - t0,
+                        "timing_s/score": t2 - t1,
+                        "timing_s/update": t3 - t2,
+                        "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
+                        "perf/train_tokens_per_second": r.rlhf.ppo_epochs * ids.numel() / (t3 - t2),
+                    }
+                )
                 if self.finish_iteration(record, stop_after, bar):
                     break
         finally:
@@ -140,17 +155,28 @@ class PPOTrainer(OnlineTrainer):
         if h.whiten_advantages:
             adv = masked_whiten(adv, mask)
         lengths, seq_rewards = mask.sum(-1), rewards.sum(-1)
-        record = {"true_score/mean": float(true.mean()),
-                  "critic/score/mean": float(score.mean()), "critic/score/max": float(score.max()),
-                  "critic/score/min": float(score.min()),
-                  "critic/rewards/mean": float(seq_rewards.mean()), "critic/rewards/max": float(seq_rewards.max()),
-                  "critic/rewards/min": float(seq_rewards.min()),
-                  "actor/reward_kl_penalty": float(masked_mean(kl, mask, dim=-1).mean()),
-                  "actor/reward_kl_penalty_coeff": self.kl_coeff,
-                  "actor/entropy": float(masked_mean(ent, mask)),
-                  "response_length/clip_ratio": float((lengths == h.generate_max_length).float().mean())}
-        return {"ids": ids, "mask": mask, "old": old, "values": values, "adv": adv, "returns": returns,
-                "kl_sum": float(kl.sum(-1).mean())}, record
+        record = {
+            "true_score/mean": float(true.mean()),
+            "critic/score/mean": float(score.mean()),
+            "critic/score/max": float(score.max()),
+            "critic/score/min": float(score.min()),
+            "critic/rewards/mean": float(seq_rewards.mean()),
+            "critic/rewards/max": float(seq_rewards.max()),
+            "critic/rewards/min": float(seq_rewards.min()),
+            "actor/reward_kl_penalty": float(masked_mean(kl, mask, dim=-1).mean()),
+            "actor/reward_kl_penalty_coeff": self.kl_coeff,
+            "actor/entropy": float(masked_mean(ent, mask)),
+            "response_length/clip_ratio": float((lengths == h.generate_max_length).float().mean()),
+        }
+        return {
+            "ids": ids,
+            "mask": mask,
+            "old": old,
+            "values": values,
+            "adv": adv,
+            "returns": returns,
+            "kl_sum": float(kl.sum(-1).mean()),
+        }, record
 
     def update(self, e: dict) -> dict:
         """``ppo_epochs`` passes over mini-batches; the mean of each statistic over them."""
@@ -166,9 +192,14 @@ class PPOTrainer(OnlineTrainer):
                 vf, vf_clip_frac = clipped_value_loss(values, e["values"][mb], e["returns"][mb], m, h.value_clip_range)
                 self.scaler.scale(pg + h.value_coeff * vf).backward()
                 ppo_kl = masked_mean(old - logp.detach(), m)
-                for k, v in (("actor/grad_norm", self.optimizer_step()), ("actor/pg_loss", pg), ("critic/vf_loss", vf),
-                             ("actor/pg_clipfrac", clip_frac), ("critic/vf_clipfrac", vf_clip_frac),
-                             ("actor/ppo_kl", ppo_kl)):
+                for k, v in (
+                    ("actor/grad_norm", self.optimizer_step()),
+                    ("actor/pg_loss", pg),
+                    ("critic/vf_loss", vf),
+                    ("actor/pg_clipfrac", clip_frac),
+                    ("critic/vf_clipfrac", vf_clip_frac),
+                    ("actor/ppo_kl", ppo_kl),
+                ):
                     stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else v)
         return {k: sum(v) / len(v) for k, v in stats.items()}
 

@@ -31,8 +31,9 @@ def code_version() -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for p in sorted([*(ROOT / "canntrain_core").rglob("*.py"), *(ROOT / "canntrain_kernels").rglob("*.py"),
-                     *CONFIGS.glob("*.yaml")]):
+    for p in sorted(
+        [*(ROOT / "canntrain_core").rglob("*.py"), *(ROOT / "canntrain_kernels").rglob("*.py"), *CONFIGS.glob("*.yaml")]
+    ):
         h.update(p.read_bytes())
     return h.hexdigest()[:8]
 
@@ -45,8 +46,9 @@ class Start:
     sft_run: Path
 
 
-def tiny_start(workdir: str | Path, pretrain_steps: int = 60, sft_steps: int = 100, seed: int = 0,
-               cache_dir: str | None = None) -> Start:
+def tiny_start(
+    workdir: str | Path, pretrain_steps: int = 60, sft_steps: int = 100, seed: int = 0, cache_dir: str | None = None
+) -> Start:
     """The fine-tuned model and the data (see the module docstring); ``cache_dir``: the tokenized corpus's."""
     from canntrain_core.checkpoint.export import export_hf
     from canntrain_core.finetune.data import write_jsonl
@@ -62,17 +64,36 @@ def tiny_start(workdir: str | Path, pretrain_steps: int = 60, sft_steps: int = 1
     if (root / "settings.json").is_file():  # written last: a complete start
         return done
     shutil.rmtree(root, ignore_errors=True)
-    pre = load_recipe(CONFIGS / "tiny_pretrain.yaml", {
-        "data.max_bytes": 300_000, "data.seq_length": 64, "data.batch_size": 4, "optim.max_steps": pretrain_steps,
-        "optim.warmup_steps": 2, "logging.log_interval": 10, "logging.eval_interval": pretrain_steps,
-        "logging.eval_batches": 2, "logging.ckpt_interval": pretrain_steps, "experiment.seed": seed,
-        **({"data.cache_dir": cache_dir} if cache_dir else {})})
+    pre = load_recipe(
+        CONFIGS / "tiny_pretrain.yaml",
+        {
+            "data.max_bytes": 300_000,
+            "data.seq_length": 64,
+            "data.batch_size": 4,
+            "optim.max_steps": pretrain_steps,
+            "optim.warmup_steps": 2,
+            "logging.log_interval": 10,
+            "logging.eval_interval": pretrain_steps,
+            "logging.eval_batches": 2,
+            "logging.ckpt_interval": pretrain_steps,
+            "experiment.seed": seed,
+            **({"data.cache_dir": cache_dir} if cache_dir else {}),
+        },
+    )
     Trainer(pre, run_dir=root / "pretrain", progress=False).fit()
     base = export_hf(root / "pretrain", root / "pretrained_hf").out
     tasks = write_jsonl(root / "tasks.jsonl", task_records(4000, seed=seed, kinds=("sort", "upper")))
-    sft = load_recipe(CONFIGS / "tiny_sft.yaml", {
-        "model.init_from": str(base), "data.source": str(tasks), "optim.max_steps": sft_steps,
-        "logging.eval_interval": sft_steps, "logging.ckpt_interval": sft_steps, "experiment.seed": seed})
+    sft = load_recipe(
+        CONFIGS / "tiny_sft.yaml",
+        {
+            "model.init_from": str(base),
+            "data.source": str(tasks),
+            "optim.max_steps": sft_steps,
+            "logging.eval_interval": sft_steps,
+            "logging.ckpt_interval": sft_steps,
+            "experiment.seed": seed,
+        },
+    )
     make_trainer(sft, run_dir=done.sft_run, progress=False).fit()
     export_hf(done.sft_run, done.sft_hf)
     write_jsonl(done.prompts, task_records(2000, seed=seed + 7, kinds=("sort",)))

@@ -29,8 +29,13 @@ class ParallelDims:
     @classmethod
     def from_recipe(cls, d: DistributedConfig) -> "ParallelDims":
         shard = d.data_parallel_size if d.zero_optimization > 0 else 1
-        return cls(pp=d.pipeline_parallel_size, dp_replicate=d.data_parallel_size // shard, dp_shard=shard,
-                   cp=d.context_parallel_size, tp=d.tensor_parallel_size)
+        return cls(
+            pp=d.pipeline_parallel_size,
+            dp_replicate=d.data_parallel_size // shard,
+            dp_shard=shard,
+            cp=d.context_parallel_size,
+            tp=d.tensor_parallel_size,
+        )
 
     @property
     def world_size(self) -> int:
@@ -46,8 +51,13 @@ class ParallelDims:
         return self.pp * self.cp * self.tp
 
     def named_sizes(self) -> list[tuple[str, int]]:
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                ("cp", self.cp), ("tp", self.tp)]
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ]
         return [(n, s) for n, s in dims if s > 1]
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
@@ -92,8 +102,13 @@ def split_world(acc: Accelerator, trained: int, timeout: timedelta) -> None:
     global _exchange
     store, global_rank, world = next(dist.rendezvous("env://", timeout=timeout))
     if global_rank < trained:
-        dist.init_process_group(backend=acc.backend, store=dist.PrefixStore("trained/", store), rank=global_rank,
-                                world_size=trained, timeout=timeout)
+        dist.init_process_group(
+            backend=acc.backend,
+            store=dist.PrefixStore("trained/", store),
+            rank=global_rank,
+            world_size=trained,
+            timeout=timeout,
+        )
     _exchange = (dist.ProcessGroupGloo(dist.PrefixStore("exchange/", store), global_rank, world, timeout), global_rank)
 
 

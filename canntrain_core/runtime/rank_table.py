@@ -89,6 +89,7 @@ def placeholder_device_ip(node_index: int, device_id: int) -> str:
 
 # --------------------------------------------------------------------------- device IP file
 
+
 def load_device_ips(path: str | Path) -> dict[str, list[str]]:
     """Read a node IP -> device IPs mapping from a JSON or text file (format: module docstring)."""
     p = Path(path)
@@ -100,8 +101,11 @@ def load_device_ips(path: str | Path) -> dict[str, list[str]]:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise RankTableError([f"invalid JSON at line {e.lineno}: {e.msg}"], source=f"device IP file {p}") from None
-        bad = [f"node {k!r}: expected a list of device IPs, got {type(v).__name__}"
-               for k, v in data.items() if not isinstance(v, list)]
+        bad = [
+            f"node {k!r}: expected a list of device IPs, got {type(v).__name__}"
+            for k, v in data.items()
+            if not isinstance(v, list)
+        ]
         if bad:
             raise RankTableError(bad, source=f"device IP file {p}")
         return {str(k): [str(ip) for ip in v] for k, v in data.items()}
@@ -123,6 +127,7 @@ def load_device_ips(path: str | Path) -> dict[str, list[str]]:
 
 
 # --------------------------------------------------------------------------- build
+
 
 def build_rank_table(
     nodes: list[str], devices_per_node: int, device_ips: dict[str, list[str]] | None = None
@@ -155,8 +160,12 @@ def build_rank_table(
             ip = device_ips[node][d] if device_ips is not None else placeholder_device_ip(k, d)
             devices.append({"device_id": str(d), "device_ip": ip, "rank_id": str(k * devices_per_node + d)})
         servers.append({"server_id": node, "device": devices})
-    table: dict[str, Any] = {"version": "1.0", "server_count": str(len(nodes)), "server_list": servers,
-                             "status": "completed"}
+    table: dict[str, Any] = {
+        "version": "1.0",
+        "server_count": str(len(nodes)),
+        "server_list": servers,
+        "status": "completed",
+    }
     if device_ips is None:
         table[PLACEHOLDER_KEY] = True
     return table
@@ -197,6 +206,7 @@ def write_rank_table(table: dict[str, Any], path: str | Path) -> Path:
 
 
 # --------------------------------------------------------------------------- check
+
 
 def load_rank_table(path: str | Path) -> dict[str, Any]:
     """Parse a rank table file; a missing file or bad JSON is a RankTableError."""
@@ -260,8 +270,10 @@ def check_rank_table(table: dict[str, Any], world_size: int | None = None) -> li
         missing = sorted(set(range(total)) - set(ranks))
         beyond = sorted(r for r in ranks if r >= total)
         if missing:
-            problems.append(f"rank_id: ranks must be 0..{total - 1} with no gaps; missing {missing}"
-                            + (f", while {beyond} are beyond the {total} devices" if beyond else ""))
+            problems.append(
+                f"rank_id: ranks must be 0..{total - 1} with no gaps; missing {missing}"
+                + (f", while {beyond} are beyond the {total} devices" if beyond else "")
+            )
     if world_size is not None and total != world_size:
         problems.append(f"world size: the table has {total} devices but --world-size is {world_size}")
     return problems
@@ -303,14 +315,17 @@ def summarize(table: dict[str, Any]) -> str:
     """One paragraph on a valid table: servers, devices per server, world size, placeholders."""
     servers = table["server_list"]
     per = len(servers[0]["device"])
-    lines = [f"rank table: version {table['version']}, {len(servers)} server(s) x {per} device(s) = "
-             f"world size {len(servers) * per}"]
+    lines = [
+        f"rank table: version {table['version']}, {len(servers)} server(s) x {per} device(s) = "
+        f"world size {len(servers) * per}"
+    ]
     for s in servers:
         r = sorted(int(d["rank_id"]) for d in s["device"])
         lines.append(f"  {s['server_id']}: ranks {r[0]}..{r[-1]}")
     if table.get(PLACEHOLDER_KEY):
-        lines.append("  WARNING: device IPs are placeholders (made without --device-ips); HCCL cannot use them "
-                     "on a real cluster")
+        lines.append(
+            "  WARNING: device IPs are placeholders (made without --device-ips); HCCL cannot use them on a real cluster"
+        )
     return "\n".join(lines)
 
 

@@ -33,9 +33,17 @@ def fsdp_syncs_once_per_step(zero_stage: int, pp: int) -> bool:
     return zero_stage == 1 or pp > 1
 
 
-def comm_per_step(model, dims: Any, batch_size: int, seq_length: int, grad_accum: int,
-                  zero_stage: int, precision: str = "fp32", backend: str = "nccl",
-                  sequence_parallel: bool = False) -> list[dict]:
+def comm_per_step(
+    model,
+    dims: Any,
+    batch_size: int,
+    seq_length: int,
+    grad_accum: int,
+    zero_stage: int,
+    precision: str = "fp32",
+    backend: str = "nccl",
+    sequence_parallel: bool = False,
+) -> list[dict]:
     """Rows of (strategy, collective, calls per step, bytes sent per device per step).
 
     ``model``: a ModelShape or a transformers config. ``dims``: the parallel sizes, anything with ``pp``, ``tp``,
@@ -57,10 +65,22 @@ def comm_per_step(model, dims: Any, batch_size: int, seq_length: int, grad_accum
         # Each of the two TP regions per layer: all-gather in, reduce-scatter out (forward), and the
         # mirror in backward; the embedding's and the final norm's gathers are left out (2 per step).
         calls = 4 * (layers // dims.pp) * grad_accum
-        rows.append({"strategy": "TP+SP", "collective": "all-gather (activations)", "calls": calls,
-                     "bytes": calls * (t - 1) / t * acts})
-        rows.append({"strategy": "TP+SP", "collective": "reduce-scatter (activations)", "calls": calls,
-                     "bytes": rs_factor * calls * (t - 1) / t * acts})
+        rows.append(
+            {
+                "strategy": "TP+SP",
+                "collective": "all-gather (activations)",
+                "calls": calls,
+                "bytes": calls * (t - 1) / t * acts,
+            }
+        )
+        rows.append(
+            {
+                "strategy": "TP+SP",
+                "collective": "reduce-scatter (activations)",
+                "calls": calls,
+                "bytes": rs_factor * calls * (t - 1) / t * acts,
+            }
+        )
         tp_local = params_per_stage / t
     elif dims.tp > 1:
         t = dims.tp
@@ -68,8 +88,14 @@ def comm_per_step(model, dims: Any, batch_size: int, seq_length: int, grad_accum
         # (q, k, v, gate, up) all-reduces its input gradient; Megatron fuses qkv and gate/up into 2.
         per_layer = 2 + 5
         calls = per_layer * (layers // dims.pp) * grad_accum
-        rows.append({"strategy": "TP", "collective": "all-reduce (activations)", "calls": calls,
-                     "bytes": calls * 2 * (t - 1) / t * acts})
+        rows.append(
+            {
+                "strategy": "TP",
+                "collective": "all-reduce (activations)",
+                "calls": calls,
+                "bytes": calls * 2 * (t - 1) / t * acts,
+            }
+        )
         tp_local = params_per_stage / t
     n = dims.dp
     if n > 1:
@@ -80,16 +106,35 @@ def comm_per_step(model, dims: Any, batch_size: int, seq_length: int, grad_accum
                 gathers, scatters = 1, 1
             else:
                 gathers, scatters = (2 if zero_stage >= 3 else 1) * grad_accum, grad_accum
-            rows.append({"strategy": "FSDP", "collective": "all-gather (parameters)",
-                         "calls": gathers, "bytes": gathers * (n - 1) / n * gathered})
-            rows.append({"strategy": "FSDP", "collective": "reduce-scatter (gradients)",
-                         "calls": scatters, "bytes": rs_factor * scatters * (n - 1) / n * grads})
+            rows.append(
+                {
+                    "strategy": "FSDP",
+                    "collective": "all-gather (parameters)",
+                    "calls": gathers,
+                    "bytes": gathers * (n - 1) / n * gathered,
+                }
+            )
+            rows.append(
+                {
+                    "strategy": "FSDP",
+                    "collective": "reduce-scatter (gradients)",
+                    "calls": scatters,
+                    "bytes": rs_factor * scatters * (n - 1) / n * grads,
+                }
+            )
         else:
-            rows.append({"strategy": "DP", "collective": "all-reduce (gradients)",
-                         "calls": 1, "bytes": 2 * (n - 1) / n * grads})
+            rows.append(
+                {"strategy": "DP", "collective": "all-reduce (gradients)", "calls": 1, "bytes": 2 * (n - 1) / n * grads}
+            )
     if dims.pp > 1:
         # Averaged over stages: each boundary carries activations forward and gradients back.
         boundary_bytes = 2 * grad_accum * acts * (dims.pp - 1) / dims.pp
-        rows.append({"strategy": "PP", "collective": "send/recv (activations, gradients)",
-                     "calls": 2 * grad_accum, "bytes": boundary_bytes})
+        rows.append(
+            {
+                "strategy": "PP",
+                "collective": "send/recv (activations, gradients)",
+                "calls": 2 * grad_accum,
+                "bytes": boundary_bytes,
+            }
+        )
     return rows

@@ -71,8 +71,14 @@ class MemoryEstimate:
         return self.total <= capacity_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"categories": dict(self.categories), "total": self.total, "phase": self.phase,
-                "stage": self.stage, "host_bytes": self.host_bytes, "notes": list(self.notes)}
+        return {
+            "categories": dict(self.categories),
+            "total": self.total,
+            "phase": self.phase,
+            "stage": self.stage,
+            "host_bytes": self.host_bytes,
+            "notes": list(self.notes),
+        }
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,10 @@ def _stages(shape: ModelShape, s: TrainSetup) -> list[_Stage]:
         return [_Stage("only", shape.num_layers, True, True, 1)]
     m = s.microbatches
     first_inflight = m if s.pipeline_schedule == "gpipe" else min(s.pp, m)
-    return [_Stage("first", per, True, False, first_inflight), _Stage("last", shape.num_layers - per * (s.pp - 1),
-                                                                      False, True, 1 if s.pipeline_schedule == "1f1b" else m)]
+    return [
+        _Stage("first", per, True, False, first_inflight),
+        _Stage("last", shape.num_layers - per * (s.pp - 1), False, True, 1 if s.pipeline_schedule == "1f1b" else m),
+    ]
 
 
 def _trainable(shape: ModelShape, s: TrainSetup, matrices: list[tuple[str, int, int]]) -> list[int]:
@@ -127,7 +135,9 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     emb = shape.embedding_params() // vtp if st.embedding else 0
     head = 0
     if st.head:
-        head = shape.head_params() - (0 if shape.tie_embeddings else V * h) + (0 if shape.tie_embeddings else V * h // vtp)
+        head = (
+            shape.head_params() - (0 if shape.tie_embeddings else V * h) + (0 if shape.tie_embeddings else V * h // vtp)
+        )
     elems = st.layers * layer_elems + emb + head
     train_layer = _trainable(shape, s, matrices)
     if s.lora is None:
@@ -168,8 +178,10 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     host = 0
     if s.offload_optimizer:  # CPUOffloadPolicy: sharded params, grads and optimizer states on the host
         host = params + g_b * trainable // shard + opt + temps
-        notes.append(f"FSDP2 CPU offload: {host / GiB:.1f} GiB of host memory per rank (sharded parameters, "
-                     "gradients, optimizer states; the optimizer step runs there)")
+        notes.append(
+            f"FSDP2 CPU offload: {host / GiB:.1f} GiB of host memory per rank (sharded parameters, "
+            "gradients, optimizer states; the optimizer step runs there)"
+        )
         params = opt = temps = 0
         grads = grads if full_grads else 0  # an unsharded accumulation stays on the device until reduced
     # ---- activations of one micro-batch on this stage
@@ -219,22 +231,31 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     }
     phase = max(phases, key=phases.get)
     cats = dict.fromkeys(CATEGORIES, 0)
-    cats.update(parameters=params + (gathered if phase != "optimizer_step" else 0), optimizer_states=opt,
-                communication_buffers=comm)
+    cats.update(
+        parameters=params + (gathered if phase != "optimizer_step" else 0),
+        optimizer_states=opt,
+        communication_buffers=comm,
+    )
     if phase == "forward":
         cats.update(gradients=g_fw, activations=act_all, autocast_weight_copies=cop_all, logits_loss=logits_peak)
     elif phase == "backward_start":
-        cats.update(gradients=g_fw, activations=act_all + recomp, autocast_weight_copies=cop_all,
-                    logits_loss=logits_saved)
+        cats.update(
+            gradients=g_fw, activations=act_all + recomp, autocast_weight_copies=cop_all, logits_loss=logits_saved
+        )
     elif phase == "backward_end":
-        cats.update(gradients=grads - emb_grad, activations=(inflight - 1) * acts_mb + recomp,
-                    autocast_weight_copies=(inflight - 1) * copies_mb)
+        cats.update(
+            gradients=grads - emb_grad,
+            activations=(inflight - 1) * acts_mb + recomp,
+            autocast_weight_copies=(inflight - 1) * copies_mb,
+        )
     else:
         cats.update(gradients=grads, optimizer_step_temporaries=temps)
     cats["fragmentation"] = int(frag * sum(cats.values()))
     if mp:
-        notes.append("FSDP2 mixed precision: sharded fp32 masters (4 B) + grads (4 B) + AdamW m, v (8 B) = 16 B "
-                     "per parameter / shards, plus bf16 copies of what is gathered")
+        notes.append(
+            "FSDP2 mixed precision: sharded fp32 masters (4 B) + grads (4 B) + AdamW m, v (8 B) = 16 B "
+            "per parameter / shards, plus bf16 copies of what is gathered"
+        )
     elif not half_w and s.precision != "fp32":
         notes.append("amp: fp32 weights (4 B) + fp32 grads (4 B) + AdamW m, v (8 B) = 16 B per parameter")
     states = {"parameters": params, "gradients": grads, "optimizer_states": opt}

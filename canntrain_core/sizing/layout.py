@@ -30,19 +30,36 @@ class Layout:
     @classmethod
     def from_recipe(cls, recipe: Any) -> "Layout":
         d = recipe.distributed
-        return cls(tp=d.tensor_parallel_size, pp=d.pipeline_parallel_size, dp=d.data_parallel_size,
-                   cp=d.context_parallel_size, ep=d.expert_parallel_size, zero=d.zero_optimization,
-                   sequence_parallel=d.sequence_parallel,
-                   microbatches=d.num_microbatches or recipe.optim.grad_accum_steps,
-                   offload_optimizer=recipe.optim.offload_optimizer, precision=recipe.model.precision,
-                   packing=recipe.train_mode == "sft" and recipe.data.packing, lora=recipe.lora.enabled)
+        return cls(
+            tp=d.tensor_parallel_size,
+            pp=d.pipeline_parallel_size,
+            dp=d.data_parallel_size,
+            cp=d.context_parallel_size,
+            ep=d.expert_parallel_size,
+            zero=d.zero_optimization,
+            sequence_parallel=d.sequence_parallel,
+            microbatches=d.num_microbatches or recipe.optim.grad_accum_steps,
+            offload_optimizer=recipe.optim.offload_optimizer,
+            precision=recipe.model.precision,
+            packing=recipe.train_mode == "sft" and recipe.data.packing,
+            lora=recipe.lora.enabled,
+        )
 
     @classmethod
     def from_setup(cls, s: Any) -> "Layout":
         """From a sizing.setup.TrainSetup (the estimator's and the planner's description)."""
-        return cls(tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, ep=s.ep, zero=s.zero,
-                   sequence_parallel=s.tp > 1 and s.sequence_parallel, microbatches=s.microbatches,
-                   offload_optimizer=s.offload_optimizer, precision=s.precision)
+        return cls(
+            tp=s.tp,
+            pp=s.pp,
+            dp=s.dp,
+            cp=s.cp,
+            ep=s.ep,
+            zero=s.zero,
+            sequence_parallel=s.tp > 1 and s.sequence_parallel,
+            microbatches=s.microbatches,
+            offload_optimizer=s.offload_optimizer,
+            precision=s.precision,
+        )
 
     @property
     def fsdp(self) -> bool:
@@ -55,8 +72,9 @@ class Layout:
         return self.dp if self.zero > 0 else 1
 
 
-def layout_problems(layout: Layout, model: Any = None, devices_per_node: int | None = None,
-                    allow_cross_node_tp: bool = False) -> list[str]:
+def layout_problems(
+    layout: Layout, model: Any = None, devices_per_node: int | None = None, allow_cross_node_tp: bool = False
+) -> list[str]:
     """Why the trainer cannot run ``layout`` (empty: it can).
 
     ``model``: a sizing.shapes.ModelShape (heads, layers, ...); without it only the model-free rules
@@ -65,35 +83,54 @@ def layout_problems(layout: Layout, model: Any = None, devices_per_node: int | N
     L = layout
     out = []
     if L.sequence_parallel and L.pp > 1:
-        out.append("distributed.sequence_parallel with pipeline_parallel_size > 1 is not supported yet "
-                   "(stage boundaries would carry sequence shards)")
+        out.append(
+            "distributed.sequence_parallel with pipeline_parallel_size > 1 is not supported yet "
+            "(stage boundaries would carry sequence shards)"
+        )
     if L.cp > 1:
-        out.append("distributed.context_parallel_size > 1 is estimated by the memory planner but not run "
-                   "by the trainer yet (torch's context_parallel needs SDPA flash/efficient kernels)")
+        out.append(
+            "distributed.context_parallel_size > 1 is estimated by the memory planner but not run "
+            "by the trainer yet (torch's context_parallel needs SDPA flash/efficient kernels)"
+        )
     if L.zero == 0 and L.dp > 1 and (L.tp > 1 or L.pp > 1):
-        out.append("distributed.zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported; "
-                   "use zero_optimization >= 1 (FSDP2)")
+        out.append(
+            "distributed.zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported; "
+            "use zero_optimization >= 1 (FSDP2)"
+        )
     if L.pp > 1 and L.microbatches < L.pp:
-        out.append(f"pipeline_parallel_size={L.pp} needs at least {L.pp} micro-batches per step, got "
-                   f"{L.microbatches} (raise optim.grad_accum_steps or distributed.num_microbatches)")
+        out.append(
+            f"pipeline_parallel_size={L.pp} needs at least {L.pp} micro-batches per step, got "
+            f"{L.microbatches} (raise optim.grad_accum_steps or distributed.num_microbatches)"
+        )
     if L.pp > 1 and L.precision == "fp16":
         out.append("model.precision=fp16 with pipeline parallel is not supported; use bf16")
     if L.packing and L.pp > 1:
-        out.append("data.packing with pipeline_parallel_size > 1 is not supported: a stage receives hidden states "
-                   "only, not the samples' positions and mask (train unpacked, or without pipeline parallel)")
+        out.append(
+            "data.packing with pipeline_parallel_size > 1 is not supported: a stage receives hidden states "
+            "only, not the samples' positions and mask (train unpacked, or without pipeline parallel)"
+        )
     if L.tied_embeddings and L.pp > 1:
-        out.append("a model with tie_word_embeddings cannot be split by pipeline_parallel_size > 1: the first "
-                   "stage holds the embedding and the last the head, which must stay one tensor "
-                   "(set model.overrides.tie_word_embeddings=false, or train without pipeline parallel)")
+        out.append(
+            "a model with tie_word_embeddings cannot be split by pipeline_parallel_size > 1: the first "
+            "stage holds the embedding and the last the head, which must stay one tensor "
+            "(set model.overrides.tie_word_embeddings=false, or train without pipeline parallel)"
+        )
     if L.lora and (L.tp > 1 or L.pp > 1):
-        out.append("lora.enabled with tensor or pipeline parallel is not supported yet (peft's layers wrap the "
-                   "projections the TP plan shards); use FSDP2 (zero_optimization >= 1) or one device")
+        out.append(
+            "lora.enabled with tensor or pipeline parallel is not supported yet (peft's layers wrap the "
+            "projections the TP plan shards); use FSDP2 (zero_optimization >= 1) or one device"
+        )
     if L.offload_optimizer and not L.fsdp:
-        out.append("optim.offload_optimizer needs FSDP2 (distributed.zero_optimization >= 1 and "
-                   "data_parallel_size > 1): its CPUOffloadPolicy is what offloads; DDP and one rank cannot")
+        out.append(
+            "optim.offload_optimizer needs FSDP2 (distributed.zero_optimization >= 1 and "
+            "data_parallel_size > 1): its CPUOffloadPolicy is what offloads; DDP and one rank cannot"
+        )
     if model is not None:
-        for attr, n in (("attention heads", model.num_heads), ("KV heads", model.num_kv_heads),
-                        ("intermediate_size", model.intermediate_size)):
+        for attr, n in (
+            ("attention heads", model.num_heads),
+            ("KV heads", model.num_kv_heads),
+            ("intermediate_size", model.intermediate_size),
+        ):
             if n % L.tp:
                 out.append(f"distributed.tensor_parallel_size={L.tp} must divide the model's {n} {attr}")
         if L.pp > model.num_layers:
@@ -102,8 +139,10 @@ def layout_problems(layout: Layout, model: Any = None, devices_per_node: int | N
         if L.ep > 1 and (experts <= 1 or experts % L.ep):
             out.append(f"distributed.expert_parallel_size={L.ep} must divide the model's {experts} expert(s)")
     if devices_per_node and L.tp > 1 and devices_per_node % L.tp and not allow_cross_node_tp:
-        out.append(f"distributed.tensor_parallel_size={L.tp} spans nodes of {devices_per_node} devices; "
-                   "TP's all-reduces need the intra-node links (set distributed.allow_cross_node_tp to force)")
+        out.append(
+            f"distributed.tensor_parallel_size={L.tp} spans nodes of {devices_per_node} devices; "
+            "TP's all-reduces need the intra-node links (set distributed.allow_cross_node_tp to force)"
+        )
     return out
 
 
@@ -118,7 +157,6 @@ def check_layout(recipe: Any, model: Any = None, devices_per_node: int | None = 
     layout = Layout.from_recipe(recipe)
     if model is not None and model.tie_embeddings and not model.scalar_head:
         layout = replace(layout, tied_embeddings=True)
-    problems = layout_problems(layout, model, devices_per_node,
-                               recipe.distributed.allow_cross_node_tp)
+    problems = layout_problems(layout, model, devices_per_node, recipe.distributed.allow_cross_node_tp)
     if problems:
         raise RecipeError("invalid parallel layout:\n  " + "\n  ".join(problems))

@@ -22,18 +22,30 @@ def _candidates(s: TrainSetup) -> list[tuple[str, TrainSetup]]:
         out.append(("model.activation_checkpointing=selective", s.but(recompute="selective")))
     if s.micro_batch > 1:
         mb = s.micro_batch // 2
-        out.append((f"data.batch_size={mb} optim.grad_accum_steps={s.grad_accum * 2} (same global batch)",
-                    s.but(micro_batch=mb, grad_accum=s.grad_accum * 2)))
+        out.append(
+            (
+                f"data.batch_size={mb} optim.grad_accum_steps={s.grad_accum * 2} (same global batch)",
+                s.but(micro_batch=mb, grad_accum=s.grad_accum * 2),
+            )
+        )
     if s.recompute != "full":
         out.append(("model.activation_checkpointing=full", s.but(recompute="full")))
     if s.dp * s.cp > 1:
         for z in range(s.zero + 1, 4):
             out.append((f"distributed.zero_optimization={z}", s.but(zero=z)))
     if s.dp % 2 == 0:
-        out.append((f"distributed.tensor_parallel_size={s.tp * 2} distributed.data_parallel_size={s.dp // 2}",
-                    s.but(tp=s.tp * 2, dp=s.dp // 2)))
-        out.append((f"distributed.pipeline_parallel_size={s.pp * 2} distributed.data_parallel_size={s.dp // 2}",
-                    s.but(pp=s.pp * 2, dp=s.dp // 2)))
+        out.append(
+            (
+                f"distributed.tensor_parallel_size={s.tp * 2} distributed.data_parallel_size={s.dp // 2}",
+                s.but(tp=s.tp * 2, dp=s.dp // 2),
+            )
+        )
+        out.append(
+            (
+                f"distributed.pipeline_parallel_size={s.pp * 2} distributed.data_parallel_size={s.dp // 2}",
+                s.but(pp=s.pp * 2, dp=s.dp // 2),
+            )
+        )
     if not s.offload_optimizer:
         out.append(("optim.offload_optimizer=true", s.but(offload_optimizer=True)))
     return out
@@ -47,8 +59,10 @@ def oom_hint(recipe: Any, capacity_bytes: float, model: Any) -> str:
     shape = model if isinstance(model, ModelShape) else shape_of(model)
     setup = setup_from_recipe(recipe)
     est = estimate(shape, setup)
-    lines = [f"out of device memory: the estimate for this recipe is {est.total / GiB:.2f} GiB per device "
-             f"(peak in {est.phase}) against {capacity_bytes / GiB:.2f} GiB available"]
+    lines = [
+        f"out of device memory: the estimate for this recipe is {est.total / GiB:.2f} GiB per device "
+        f"(peak in {est.phase}) against {capacity_bytes / GiB:.2f} GiB available"
+    ]
     top = sorted(est.categories.items(), key=lambda kv: -kv[1])[:3]
     lines.append("largest parts: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in top))
     for change, cand in _candidates(setup):

@@ -46,20 +46,38 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         s = self.setup
-        return {"tp": s.tp, "pp": s.pp, "dp": s.dp, "cp": s.cp, "ep": s.ep, "zero": s.zero,
-                "recompute": s.recompute, "micro_batch": s.micro_batch, "grad_accum": s.grad_accum,
-                "offload_optimizer": s.offload_optimizer, "fits": self.fits, "reason": self.reason,
-                "memory_bytes": self.estimate.total if self.estimate else None,
-                "step_time_s": None if math.isinf(self.step_time) else self.step_time,
-                "breakdown_s": self.breakdown, "remarks": self.remarks}
+        return {
+            "tp": s.tp,
+            "pp": s.pp,
+            "dp": s.dp,
+            "cp": s.cp,
+            "ep": s.ep,
+            "zero": s.zero,
+            "recompute": s.recompute,
+            "micro_batch": s.micro_batch,
+            "grad_accum": s.grad_accum,
+            "offload_optimizer": s.offload_optimizer,
+            "fits": self.fits,
+            "reason": self.reason,
+            "memory_bytes": self.estimate.total if self.estimate else None,
+            "step_time_s": None if math.isinf(self.step_time) else self.step_time,
+            "breakdown_s": self.breakdown,
+            "remarks": self.remarks,
+        }
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def step_time(shape: ModelShape, s: TrainSetup, dev: DeviceSpec, devices_per_node: int,
-              global_batch: int, efficiency: float = EFFICIENCY) -> dict[str, float]:
+def step_time(
+    shape: ModelShape,
+    s: TrainSetup,
+    dev: DeviceSpec,
+    devices_per_node: int,
+    global_batch: int,
+    efficiency: float = EFFICIENCY,
+) -> dict[str, float]:
     """Seconds per optimizer step by component (see the module docstring)."""
     n_dev = s.world_size
     tokens = global_batch * s.seq_length
@@ -71,10 +89,20 @@ def step_time(shape: ModelShape, s: TrainSetup, dev: DeviceSpec, devices_per_nod
     def bw(group_span: int) -> float:
         return dev.intra_node_bw if group_span <= devices_per_node else dev.inter_node_bw
 
-    rows = comm_per_step(shape, Layout.from_setup(s), s.micro_batch, s.seq_length // s.cp, m, s.zero, s.precision,
-                         sequence_parallel=s.sequence_parallel)
-    traffic = {k: sum(r["bytes"] for r in rows if r["strategy"] in names)
-               for k, names in (("tp", ("TP", "TP+SP")), ("dp", ("DP", "FSDP")), ("pp", ("PP",)))}
+    rows = comm_per_step(
+        shape,
+        Layout.from_setup(s),
+        s.micro_batch,
+        s.seq_length // s.cp,
+        m,
+        s.zero,
+        s.precision,
+        sequence_parallel=s.sequence_parallel,
+    )
+    traffic = {
+        k: sum(r["bytes"] for r in rows if r["strategy"] in names)
+        for k, names in (("tp", ("TP", "TP+SP")), ("dp", ("DP", "FSDP")), ("pp", ("PP",)))
+    }
     tp_comm = traffic["tp"] / bw(s.tp)
     cp_comm = 0.0
     if s.cp > 1:
@@ -84,12 +112,23 @@ def step_time(shape: ModelShape, s: TrainSetup, dev: DeviceSpec, devices_per_nod
     pp_comm = traffic["pp"] / bw(s.tp * s.cp * s.dp * 2)
     busy = compute + tp_comm + cp_comm
     bubble = busy * (s.pp - 1) / m if s.pp > 1 else 0.0
-    return {"compute": compute, "tp_cp_comm": tp_comm + cp_comm, "dp_comm": dp_comm,
-            "pp_comm": pp_comm, "bubble": bubble}
+    return {
+        "compute": compute,
+        "tp_cp_comm": tp_comm + cp_comm,
+        "dp_comm": dp_comm,
+        "pp_comm": pp_comm,
+        "bubble": bubble,
+    }
 
 
-def candidate_setups(shape: ModelShape, devices: int, devices_per_node: int, global_batch: int,
-                     base: TrainSetup, micro_batches: Iterable[int] = (1, 2, 4, 8)) -> Iterable[tuple[TrainSetup, list[str]]]:
+def candidate_setups(
+    shape: ModelShape,
+    devices: int,
+    devices_per_node: int,
+    global_batch: int,
+    base: TrainSetup,
+    micro_batches: Iterable[int] = (1, 2, 4, 8),
+) -> Iterable[tuple[TrainSetup, list[str]]]:
     """Every layout of ``devices``, with the validator's reasons when the trainer would refuse it.
 
     Sequence parallel is on wherever the trainer can run it (tp > 1 without pp): it only saves
@@ -102,22 +141,40 @@ def candidate_setups(shape: ModelShape, devices: int, devices_per_node: int, glo
                 if devices % (tp * pp * cp):
                     continue
                 dp = devices // (tp * pp * cp)
-                for ep in ([e for e in _divisors(dp * cp) if shape.num_experts % e == 0] if shape.kind == "moe" else [1]):
-                    for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
+                for ep in [e for e in _divisors(dp * cp) if shape.num_experts % e == 0] if shape.kind == "moe" else [1]:
+                    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                         for rc in RECOMPUTE_LEVELS:
                             for mb in micro_batches:
                                 if global_batch % (dp * mb):
                                     continue
-                                setup = base.but(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=zero, recompute=rc,
-                                                 micro_batch=mb, grad_accum=global_batch // (dp * mb),
-                                                 num_microbatches=None, vocab_parallel=False,
-                                                 sequence_parallel=tp > 1 and pp == 1)
+                                setup = base.but(
+                                    tp=tp,
+                                    pp=pp,
+                                    dp=dp,
+                                    cp=cp,
+                                    ep=ep,
+                                    zero=zero,
+                                    recompute=rc,
+                                    micro_batch=mb,
+                                    grad_accum=global_batch // (dp * mb),
+                                    num_microbatches=None,
+                                    vocab_parallel=False,
+                                    sequence_parallel=tp > 1 and pp == 1,
+                                )
                                 yield setup, layout_problems(Layout.from_setup(setup), shape, devices_per_node)
 
 
-def search(shape: ModelShape, devices: int, dev: DeviceSpec, devices_per_node: int = 8,
-           global_batch: int = 1024, base: TrainSetup | None = None, efficiency: float = EFFICIENCY,
-           memory_bytes: float | None = None, skipped: dict[str, int] | None = None) -> list[Plan]:
+def search(
+    shape: ModelShape,
+    devices: int,
+    dev: DeviceSpec,
+    devices_per_node: int = 8,
+    global_batch: int = 1024,
+    base: TrainSetup | None = None,
+    efficiency: float = EFFICIENCY,
+    memory_bytes: float | None = None,
+    skipped: dict[str, int] | None = None,
+) -> list[Plan]:
     """Every layout the trainer accepts: fitting ones ranked fastest first, then those that do not fit.
 
     Layouts the validator (``sizing.layout``) refuses are not plans; ``skipped``, when given, counts
@@ -135,8 +192,15 @@ def search(shape: ModelShape, devices: int, dev: DeviceSpec, devices_per_node: i
         est = estimate(shape, setup)
         if not est.fits(cap):
             big = max(est.categories, key=est.categories.get)
-            plans.append(Plan(setup, est, False, f"needs {est.total / GiB:.1f} GiB > {cap / GiB:.1f} GiB "
-                                                  f"(model states {est.model_states / GiB:.1f} GiB, largest: {big})"))
+            plans.append(
+                Plan(
+                    setup,
+                    est,
+                    False,
+                    f"needs {est.total / GiB:.1f} GiB > {cap / GiB:.1f} GiB "
+                    f"(model states {est.model_states / GiB:.1f} GiB, largest: {big})",
+                )
+            )
             continue
         parts = step_time(shape, setup, dev, devices_per_node, global_batch, efficiency)
         plans.append(Plan(setup, est, True, "", sum(parts.values()), parts, _remarks(setup, parts, devices_per_node)))
@@ -164,36 +228,54 @@ def guidance_note(best: Plan, devices_per_node: int) -> str:
     if 4 <= s.pp <= 8:
         bits.append("PP in 4-8")
     elif s.pp < 4:
-        bits.append(f"PP={s.pp} (< 4: the cost model prefers fewer stages here since memory allows it; "
-                    f"each stage adds bubble {s.pp - 1}/(m+{s.pp - 1}))")
+        bits.append(
+            f"PP={s.pp} (< 4: the cost model prefers fewer stages here since memory allows it; "
+            f"each stage adds bubble {s.pp - 1}/(m+{s.pp - 1}))"
+        )
     else:
         bits.append(f"PP={s.pp} (> 8)")
     bits.append(f"DP={s.dp} takes the rest")
     return "; ".join(bits)
 
 
-def suggest_when_nothing_fits(shape: ModelShape, devices: int, dev: DeviceSpec, devices_per_node: int,
-                              global_batch: int, base: TrainSetup, memory_bytes: float | None = None) -> list[str]:
+def suggest_when_nothing_fits(
+    shape: ModelShape,
+    devices: int,
+    dev: DeviceSpec,
+    devices_per_node: int,
+    global_batch: int,
+    base: TrainSetup,
+    memory_bytes: float | None = None,
+) -> list[str]:
     """What would make a plan exist: more devices, optimizer offload (recompute is already searched)."""
     cap = memory_bytes or dev.memory_bytes
     half = base.weights == "half" or base.precision == "fp32"
     per_param = 16 if not base.offload_optimizer else (4 if half else 8)
     floor = per_param * shape.num_params() / devices
-    out = [f"model states alone need at least {per_param} B x {shape.num_params() / 1e9:.1f} B params / "
-           f"{devices} devices = {floor / GiB:.1f} GiB per device, however the work is split "
-           f"(device has {cap / GiB:.1f} GiB); full recompute is already among the candidates"]
+    out = [
+        f"model states alone need at least {per_param} B x {shape.num_params() / 1e9:.1f} B params / "
+        f"{devices} devices = {floor / GiB:.1f} GiB per device, however the work is split "
+        f"(device has {cap / GiB:.1f} GiB); full recompute is already among the candidates"
+    ]
     for more in (2 * devices, 4 * devices):
         ok = [p for p in search(shape, more, dev, devices_per_node, global_batch, base, memory_bytes=cap) if p.fits]
         if ok:
             out.append(f"with {more} devices {len(ok)} plans fit, fastest: {ok[0].label()}")
             break
     if not base.offload_optimizer:
-        ok = [p for p in search(shape, devices, dev, devices_per_node, global_batch, base.but(offload_optimizer=True),
-                                memory_bytes=cap) if p.fits]
+        ok = [
+            p
+            for p in search(
+                shape, devices, dev, devices_per_node, global_batch, base.but(offload_optimizer=True), memory_bytes=cap
+            )
+            if p.fits
+        ]
         if ok:
             host = ok[0].estimate.host_bytes / GiB if ok[0].estimate else 0
-            out.append(f"with optimizer offload (optim.offload_optimizer: true) {len(ok)} plans fit, fastest: "
-                       f"{ok[0].label()} ({host:.0f} GiB host memory per device)")
+            out.append(
+                f"with optimizer offload (optim.offload_optimizer: true) {len(ok)} plans fit, fastest: "
+                f"{ok[0].label()} ({host:.0f} GiB host memory per device)"
+            )
         else:
             out.append("optimizer offload alone is not enough")
     return out

@@ -54,8 +54,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 COMMON: dict[str, Any] = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False)
 
 
-def preset_fields(preset: str, overrides: dict[str, Any] | None = None, vocab_size: int | None = None
-                  ) -> dict[str, Any]:
+def preset_fields(
+    preset: str, overrides: dict[str, Any] | None = None, vocab_size: int | None = None
+) -> dict[str, Any]:
     """The config fields of a preset with recipe overrides applied: :data:`COMMON`, the preset's, then
     ``vocab_size`` (the tokenizer's), then ``overrides`` (which win over the tokenizer's vocab size).
     Raises KeyError for an unknown preset; override keys are not checked here (the model builder

@@ -46,7 +46,9 @@ class ModelShape:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model shape: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model shape: num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"model shape: num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}"
+            )
         if self.kind == "moe" and not 1 <= self.experts_per_token <= self.num_experts:
             raise ValueError("model shape: experts_per_token must be in [1, num_experts]")
 
@@ -139,7 +141,9 @@ EXTRA_SHAPES: dict[str, ModelShape] = {
 }
 
 
-def shape_from_preset(preset: str, overrides: dict[str, Any] | None = None, vocab_size: int | None = None) -> ModelShape:
+def shape_from_preset(
+    preset: str, overrides: dict[str, Any] | None = None, vocab_size: int | None = None
+) -> ModelShape:
     """A llama preset of sizing/presets.py (with recipe-style overrides) or one of :data:`EXTRA_SHAPES`.
 
     The llama shape comes from the preset's fields as ``models.registry.build_config`` would set them, without
@@ -148,8 +152,12 @@ def shape_from_preset(preset: str, overrides: dict[str, Any] | None = None, voca
     if preset in EXTRA_SHAPES:
         shape = EXTRA_SHAPES[preset]
         if overrides:
-            keys = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
-                    "num_key_value_heads": "num_kv_heads", "max_position_embeddings": "max_positions"}
+            keys = {
+                "num_hidden_layers": "num_layers",
+                "num_attention_heads": "num_heads",
+                "num_key_value_heads": "num_kv_heads",
+                "max_position_embeddings": "max_positions",
+            }
             fields = {keys.get(k, k): v for k, v in overrides.items()}
             bad = [k for k in fields if k not in shape.to_dict()]
             if bad:

@@ -14,6 +14,7 @@ from canntrain_core.runtime import Accelerator
 from canntrain_core.sizing.devices import spec_of_device
 from canntrain_core.sizing.shapes import shape_of
 
+
 def flops_per_token(config, seq_length: int) -> float:
     """Training FLOPs per token of a transformers config: ``ModelShape.flops_per_token`` (the one definition)."""
     return shape_of(config).flops_per_token(seq_length)

@@ -33,8 +33,16 @@ def train_step_throughput(
     from canntrain_core.runtime import get_accelerator
 
     acc = get_accelerator()
-    recipe = load_recipe(None, {"model.preset": preset, "model.overrides": overrides or {}, "model.kernels": kernels,
-                                "model.precision": precision, "experiment.seed": seed})
+    recipe = load_recipe(
+        None,
+        {
+            "model.preset": preset,
+            "model.overrides": overrides or {},
+            "model.kernels": kernels,
+            "model.precision": precision,
+            "experiment.seed": seed,
+        },
+    )
     config = model_config(recipe.model, vocab_size or recipe.data.tokenizer.vocab_size)
     t0 = time.perf_counter()
     model = build_training_model(recipe, config, acc.device).model  # the trainer's model, kernels wired in

@@ -35,7 +35,11 @@ from canntrain_core.parallel.data_parallel import sync_gradients
 from canntrain_core.recipe import Recipe, save_resolved
 from canntrain_core.runtime import Accelerator, get_accelerator, seed_everything
 from canntrain_core.runtime.distributed import (
-    ParallelDims, dp_coordinates, from_rank0, init_distributed, rank,
+    ParallelDims,
+    dp_coordinates,
+    from_rank0,
+    init_distributed,
+    rank,
 )
 from canntrain_core.sizing.layout import Layout, check_layout
 from canntrain_core.sizing.oom import oom_hint
@@ -102,10 +106,14 @@ class Trainer:
         progress: bool = True,
     ):
         if recipe.train_mode not in self.train_modes:  # a stage's recipe never runs another stage's loop
-            raise RecipeError(f"train_mode {recipe.train_mode}: {type(self).__name__} trains "
-                              f"{', '.join(self.train_modes)}; build a recipe's trainer with "
-                              "canntrain_core.stages.make_trainer")
-        self.recipe = r = recipe.model_copy(deep=True)  # the caller's recipe is not changed (optim.epochs sets max_steps)
+            raise RecipeError(
+                f"train_mode {recipe.train_mode}: {type(self).__name__} trains "
+                f"{', '.join(self.train_modes)}; build a recipe's trainer with "
+                "canntrain_core.stages.make_trainer"
+            )
+        self.recipe = r = recipe.model_copy(
+            deep=True
+        )  # the caller's recipe is not changed (optim.epochs sets max_steps)
         self.acc = accelerator or get_accelerator()
         m, d = r.model, r.distributed
         self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
@@ -135,10 +143,14 @@ class Trainer:
         self.dp = dp_coordinates(self.mesh, self.dims)  # (data-parallel rank, size)
         self.data = self.build_data(config)
         if r.optim.epochs:  # max_steps from the data: epochs x this rank's rows / rows per step
-            steps = math.ceil(r.optim.epochs * self.data.sampler.samples_per_epoch / (r.data.batch_size * r.optim.grad_accum_steps))
+            steps = math.ceil(
+                r.optim.epochs * self.data.sampler.samples_per_epoch / (r.data.batch_size * r.optim.grad_accum_steps)
+            )
             if self.rank == 0:
-                print(f"optim.epochs={r.optim.epochs:g}: {steps} steps ({self.data.sampler.samples_per_epoch} rows "
-                      f"per data-parallel rank per epoch)")
+                print(
+                    f"optim.epochs={r.optim.epochs:g}: {steps} steps ({self.data.sampler.samples_per_epoch} rows "
+                    f"per data-parallel rank per epoch)"
+                )
             r.optim.max_steps = steps
         if not m.init_from:  # the trained tokenizer's EOS, for generate() and an exported model
             config.bos_token_id, config.eos_token_id = None, self.data.eos_id
@@ -147,16 +159,23 @@ class Trainer:
         self.model, self.schedule = built.model, built.schedule
         self.loaded_from = built.loaded  # init_from: this rank's tensors and the slices it read
         if self.rank == 0 and r.optim.offload_optimizer and self.acc.type == "cpu":
-            print("optim.offload_optimizer: FSDP2's CPUOffloadPolicy is applied, but on this CPU-only host "
-                  "parameters, gradients and optimizer states are in host memory already: a no-op here")
+            print(
+                "optim.offload_optimizer: FSDP2's CPUOffloadPolicy is applied, but on this CPU-only host "
+                "parameters, gradients and optimizer states are in host memory already: a no-op here"
+            )
         if self.rank == 0 and r.lora.enabled:
             print(f"LoRA rank {r.lora.rank} on {', '.join(r.lora.target_modules)}: {trainable_summary(self.model)}")
         if self.rank == 0 and m.init_from and resume_path is None:
             given = self.data.info["tokenizer_source"] == "given"
-            print(f"model: {built.source} (the architecture from its config.json); tokenizer: "
-                  + ("its tokenizer.json (data.tokenizer settings do not apply)" if given else
-                     f"none there, trained on the corpus with the model's vocab_size {config.vocab_size}")
-                  + (f"; chat template: {self.data.info['chat_template']}" if "chat_template" in self.data.info else ""))
+            print(
+                f"model: {built.source} (the architecture from its config.json); tokenizer: "
+                + (
+                    "its tokenizer.json (data.tokenizer settings do not apply)"
+                    if given
+                    else f"none there, trained on the corpus with the model's vocab_size {config.vocab_size}"
+                )
+                + (f"; chat template: {self.data.info['chat_template']}" if "chat_template" in self.data.info else "")
+            )
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.microbatches = Layout.from_recipe(r).microbatches  # what the pipeline schedule splits a step into
         self.has_loss = self.dims.pp == 1 or self.mesh.get_local_rank("pp") == self.dims.pp - 1
@@ -182,8 +201,10 @@ class Trainer:
             (self.run_dir / "data.json").write_text(json.dumps(self.data.info, indent=1))
             # (the stdlib's deliberately non-UTF-8 test files are counted there too, not printed)
             if self.data.info.get("bad_records") and r.data.source != "stdlib":
-                print(f"data: skipped {self.data.info['bad_records']} bad record(s) "
-                      f"(data.on_bad_record={r.data.on_bad_record}); see {self.run_dir / 'data.json'}")
+                print(
+                    f"data: skipped {self.data.info['bad_records']} bad record(s) "
+                    f"(data.on_bad_record={r.data.on_bad_record}); see {self.run_dir / 'data.json'}"
+                )
 
     # ------------------------------------------------------------------ what a stage builds
     @staticmethod
@@ -213,8 +234,9 @@ class Trainer:
     def build_data(self, config):
         """The data bundle of this stage: pretraining text here; the other stages override it."""
         r = self.recipe
-        return build_data(r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1],
-                          **self.tokenizer_args(config))
+        return build_data(
+            r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1], **self.tokenizer_args(config)
+        )
 
     def tokenizer_args(self, config) -> dict:
         """``model.init_from``'s tokenizer, the model's vocabulary size and, for a stage that formats
@@ -288,7 +310,9 @@ class Trainer:
                     "peak_memory_bytes": acc.peak_memory_bytes(),
                 }
                 if "padding_fraction" in self.data.info:  # instruction rows: tokens that are not padding
-                    record["real_tokens_per_second"] = record["tokens_per_second"] * (1 - self.data.info["padding_fraction"])
+                    record["real_tokens_per_second"] = record["tokens_per_second"] * (
+                        1 - self.data.info["padding_fraction"]
+                    )
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
             if self.step % r.logging.eval_interval == 0 or self.step == max_steps:
                 record.update(self.evaluate(val_batches))
@@ -411,8 +435,14 @@ class Trainer:
         n_em = self.recipe.logging.eval_exact_match
         sp = self.recipe.distributed.sequence_parallel
         if n_em and self.schedule is None:  # every rank generates the same answers, in lockstep
-            out["val_exact_match"], _ = exact_match(self.model, self.data.eval_examples[:n_em], self.data.decode,
-                                                    self.data.eos_id, cached=not sp, multiple_of=self.dims.tp if sp else 1)
+            out["val_exact_match"], _ = exact_match(
+                self.model,
+                self.data.eval_examples[:n_em],
+                self.data.decode,
+                self.data.eos_id,
+                cached=not sp,
+                multiple_of=self.dims.tp if sp else 1,
+            )
         return out
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -429,12 +459,27 @@ class Trainer:
             "extra": self.extra_state(),
         }
         return checkpoint.save_checkpoint(
-            self.ckpt_root, self.step, self.model, self.optimizer, state,
-            {"recipe.resolved.yaml": self.recipe.to_yaml(), "config.json": self.model_config.to_json_string(),
-             "tokenizer.json": self.data.tokenizer.to_str(), **self.tokenizer_metadata(), **self._base_files(),
-             STAGE_FILE: json.dumps({"train_mode": self.recipe.train_mode, "language_model": self.language_model,
-                                     "not_a_language_model": self.not_a_language_model})},
-            keep_last=self.recipe.logging.keep_last, trainable_only=self.recipe.lora.enabled,
+            self.ckpt_root,
+            self.step,
+            self.model,
+            self.optimizer,
+            state,
+            {
+                "recipe.resolved.yaml": self.recipe.to_yaml(),
+                "config.json": self.model_config.to_json_string(),
+                "tokenizer.json": self.data.tokenizer.to_str(),
+                **self.tokenizer_metadata(),
+                **self._base_files(),
+                STAGE_FILE: json.dumps(
+                    {
+                        "train_mode": self.recipe.train_mode,
+                        "language_model": self.language_model,
+                        "not_a_language_model": self.not_a_language_model,
+                    }
+                ),
+            },
+            keep_last=self.recipe.logging.keep_last,
+            trainable_only=self.recipe.lora.enabled,
         )
 
     def tokenizer_metadata(self) -> dict[str, str]:
@@ -445,9 +490,13 @@ class Trainer:
         if getattr(self, "_tokenizer_metadata", None) is None:
             fmt = getattr(self.data, "format", None)  # stages that format conversations
             given = getattr(self, "_given_tokenizer", None)
-            files = tokenizer_files(self.data.tokenizer, self.data.eos_id, given.hf if given is not None else None,
-                                    fmt.chat_template() if fmt is not None else None,
-                                    self.model_config.max_position_embeddings)
+            files = tokenizer_files(
+                self.data.tokenizer,
+                self.data.eos_id,
+                given.hf if given is not None else None,
+                fmt.chat_template() if fmt is not None else None,
+                self.model_config.max_position_embeddings,
+            )
             source = Path(self.recipe.model.init_from or "") / "generation_config.json"
             if self.recipe.model.init_from and source.is_file():
                 files["generation_config.json"] = source.read_text(encoding="utf-8")
@@ -464,8 +513,13 @@ class Trainer:
         return {BASE_FINGERPRINT: self._base_fingerprint}
 
     def _load(self, path: Path) -> None:
-        state = checkpoint.load_checkpoint(path, self.model, self.optimizer, verify=False,  # verified above
-                                           trainable_only=self.recipe.lora.enabled)
+        state = checkpoint.load_checkpoint(
+            path,
+            self.model,
+            self.optimizer,
+            verify=False,  # verified above
+            trainable_only=self.recipe.lora.enabled,
+        )
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -497,13 +551,19 @@ class Trainer:
         if path is not None and self.recipe.lora.enabled:
             check_base(path, self.recipe.model.init_from, "resume")
         if path is not None:  # refuses a recipe the checkpoint cannot load, before anything is touched
-            for line in check_resume(str(path), checkpoint.checkpoint_recipe(path), self.recipe,
-                                     checkpoint.checkpoint_config(path), self.model_config.to_dict()):
+            for line in check_resume(
+                str(path),
+                checkpoint.checkpoint_recipe(path),
+                self.recipe,
+                checkpoint.checkpoint_config(path),
+                self.model_config.to_dict(),
+            ):
                 print(line)
         for bad, error in damaged:  # set aside, so this run can write that step afresh
             moved = checkpoint.set_aside(bad)
-            print(f"resume: {bad.name} is damaged ({str(error).removeprefix(f'{bad}: ')}); "
-                  f"moved it aside to {moved.name}")
+            print(
+                f"resume: {bad.name} is damaged ({str(error).removeprefix(f'{bad}: ')}); moved it aside to {moved.name}"
+            )
         if path is None and damaged:
             print(f"resume_from=auto: no complete checkpoint left in {self.ckpt_root}; starting fresh")
         return path

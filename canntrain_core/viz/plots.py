@@ -19,7 +19,7 @@ def loss_figure(run_dirs: list[str | Path], labels: list[str] | None = None, sty
         train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
         val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         if train:
-            line, = ax.plot(*zip(*train), style, label=f"{label} train")
+            (line,) = ax.plot(*zip(*train), style, label=f"{label} train")
             color = line.get_color()
         else:
             color = None
@@ -43,8 +43,7 @@ def plot_loss(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
     return out
 
 
-def curves_figure(run_dirs: list[str | Path], keys: list, labels: list[str] | None = None,
-                  titles: dict | None = None):
+def curves_figure(run_dirs: list[str | Path], keys: list, labels: list[str] | None = None, titles: dict | None = None):
     """One panel per metric in ``keys`` (against step), one line per run; a run without a metric is left out
     of its panel. A key may be a tuple of keys: each run plots the first of them it logged (GRPO's
     ``actor/kl_loss`` and PPO's ``actor/reward_kl_penalty`` in one panel). For alignment runs (verl's names,
@@ -57,8 +56,12 @@ def curves_figure(run_dirs: list[str | Path], keys: list, labels: list[str] | No
             found = next((k for k in (key if isinstance(key, tuple) else (key,)) if any(k in r for r in rows)), None)
             points = [(r["step"], r[found]) for r in rows if found in r]
             if points:
-                ax.plot(*zip(*points), "o-" if len(points) < 6 else "-", ms=4,
-                        label=labels[i] if labels else Path(run_dir).name)
+                ax.plot(
+                    *zip(*points),
+                    "o-" if len(points) < 6 else "-",
+                    ms=4,
+                    label=labels[i] if labels else Path(run_dir).name,
+                )
         ax.set_title((titles or {}).get(key, " or ".join(key) if isinstance(key, tuple) else key))
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)

@@ -125,8 +125,9 @@ class SwiGLUFn(torch.autograd.Function):
 
 # ------------------------------------------------------------------------------------ RoPE
 @triton.jit
-def _rope(X, COS, SIN, Y, heads, seq, cos_batch_stride, HALF: tl.constexpr, BLOCK: tl.constexpr,
-          BACKWARD: tl.constexpr):
+def _rope(
+    X, COS, SIN, Y, heads, seq, cos_batch_stride, HALF: tl.constexpr, BLOCK: tl.constexpr, BACKWARD: tl.constexpr
+):
     # One program per (b, h, s) row of D = 2 * HALF values.
     row = tl.program_id(0)
     b = row // (heads * seq)
@@ -158,8 +159,16 @@ def _rope_launch(x, cos, sin, backward: bool):
     cos_batch_stride = 0 if cos.shape[0] == 1 else seq * dim
     half = dim // 2
     _rope[(bsz * heads * seq,)](
-        x, cos, sin, y, heads, seq, cos_batch_stride,
-        HALF=half, BLOCK=triton.next_power_of_2(half), BACKWARD=backward,
+        x,
+        cos,
+        sin,
+        y,
+        heads,
+        seq,
+        cos_batch_stride,
+        HALF=half,
+        BLOCK=triton.next_power_of_2(half),
+        BACKWARD=backward,
     )
     return y
 
