@@ -367,6 +367,16 @@ class Recipe(_Section):
             sft_only += ["lora.enabled"] * self.lora.enabled
             if sft_only:
                 raise ValueError(f"{', '.join(sft_only)}: only train_mode sft reads these")
+        if self.train_mode in ("reward", "dpo", "grpo", "ppo"):  # answers are never truncated, masked or packed
+            default = DataConfig()
+            unread = [
+                f"data.{k}"
+                for k in ("train_on", "truncation", "packing")
+                if getattr(self.data, k) != getattr(default, k)
+            ]
+            unread += ["data.format"] * (self.train_mode in ("reward", "dpo") and self.data.format != default.format)
+            if unread:
+                raise ValueError(f"{', '.join(unread)}: train_mode {self.train_mode} does not read these")
         if self.train_mode != "pretrain" and not self.data.source.endswith(".jsonl"):
             what = "preference pairs" if self.train_mode in ("reward", "dpo") else "instruction records"
             raise ValueError(

@@ -41,7 +41,7 @@ class Layout:
             microbatches=d.num_microbatches or recipe.optim.grad_accum_steps,
             offload_optimizer=recipe.optim.offload_optimizer,
             precision=recipe.model.precision,
-            packing=recipe.train_mode == "sft" and recipe.data.packing,
+            packing=recipe.data.packing,  # an SFT key: the schema refuses it elsewhere
             lora=recipe.lora.enabled,
         )
 
