@@ -84,3 +84,30 @@ def test_oom_hint_names_a_change_that_fits():
     assert "try: --set model.activation_checkpointing=" in hint
     big = load_recipe(None, {"model.preset": "llama2-70b"})
     assert "no single change" in oom_hint(big, 8 * GiB, shape_from_recipe(big))
+
+
+# Parameter counts of the public Llama-3.1 and 3.2 checkpoints (their model cards' safetensors totals).
+LLAMA3 = {
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+}
+
+
+@pytest.mark.parametrize("preset", list(LLAMA3))
+def test_llama3_presets_are_the_public_models_for_the_builder_and_the_estimator(preset):
+    from canntrain_core.models.registry import build_model, count_parameters
+
+    model = build_model(preset, device="meta")
+    assert count_parameters(model) == shape_from_preset(preset).num_params() == LLAMA3[preset]
+    assert model.config.rope_parameters["rope_type"] == "llama3" and model.config.vocab_size == 128256
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == preset.startswith("llama3.2")
+
+
+def test_the_planner_never_splits_a_tied_model_over_pipeline_stages():
+    plans = search(shape_from_preset("llama3.2-1b"), 8, get_device("910b"), 8, 1024, memory_bytes=CAP)
+    assert any(p.fits for p in plans)
+    assert all(p.setup.pp == 1 for p in plans if p.fits)
+    untied = search(shape_from_preset("llama3-8b"), 8, get_device("910b"), 8, 1024, memory_bytes=CAP)
+    assert any(p.fits and p.setup.pp > 1 for p in untied)  # the rule is the tie, not the size

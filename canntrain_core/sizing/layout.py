@@ -7,7 +7,7 @@ trainer would refuse what it estimates). Every message names the recipe key to c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -25,7 +25,6 @@ class Layout:
     precision: str = "fp32"
     packing: bool = False  # packed instruction rows carry a block-diagonal mask
     lora: bool = False
-    tied_embeddings: bool = False  # the model's output head is its input embedding (tie_word_embeddings)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "Layout":
@@ -109,12 +108,6 @@ def layout_problems(
             "data.packing with pipeline_parallel_size > 1 is not supported: a stage receives hidden states "
             "only, not the samples' positions and mask (train unpacked, or without pipeline parallel)"
         )
-    if L.tied_embeddings and L.pp > 1:
-        out.append(
-            "a model with tie_word_embeddings cannot be split by pipeline_parallel_size > 1: the first "
-            "stage holds the embedding and the last the head, which must stay one tensor "
-            "(set model.overrides.tie_word_embeddings=false, or train without pipeline parallel)"
-        )
     if L.lora and (L.tp > 1 or L.pp > 1):
         out.append(
             "lora.enabled with tensor or pipeline parallel is not supported yet (peft's layers wrap the "
@@ -124,6 +117,12 @@ def layout_problems(
         out.append(
             "optim.offload_optimizer needs FSDP2 (distributed.zero_optimization >= 1 and "
             "data_parallel_size > 1): its CPUOffloadPolicy is what offloads; DDP and one rank cannot"
+        )
+    if model is not None and model.tie_embeddings and not model.scalar_head and L.pp > 1:
+        out.append(
+            "a model with tie_word_embeddings cannot be split by pipeline_parallel_size > 1: the first "
+            "stage holds the embedding and the last the head, which must stay one tensor "
+            "(set model.overrides.tie_word_embeddings=false, or train without pipeline parallel)"
         )
     if model is not None:
         for attr, n in (
@@ -154,9 +153,8 @@ def check_layout(recipe: Any, model: Any = None, devices_per_node: int | None = 
 
     if model is not None and not isinstance(model, ModelShape):
         model = shape_of(model)
-    layout = Layout.from_recipe(recipe)
-    if model is not None and model.tie_embeddings and not model.scalar_head:
-        layout = replace(layout, tied_embeddings=True)
-    problems = layout_problems(layout, model, devices_per_node, recipe.distributed.allow_cross_node_tp)
+    problems = layout_problems(
+        Layout.from_recipe(recipe), model, devices_per_node, recipe.distributed.allow_cross_node_tp
+    )
     if problems:
         raise RecipeError("invalid parallel layout:\n  " + "\n  ".join(problems))
