@@ -122,7 +122,7 @@ def test_fits_and_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="64 GiBs"):
         parse_bytes("64 GiBs")
     with pytest.raises(KeyError, match="llama2-7b"):
-        shape_from_preset("llama3-8b")
+        shape_from_preset("llama4-8b")
 
 
 def test_the_trainers_mfu_and_the_planner_read_one_device_table():
