@@ -55,15 +55,16 @@ def parse_size(text: str) -> int:
 BASE_FINGERPRINT = "base_fingerprint.json"  # in a LoRA checkpoint: the base model its adapters adapt
 
 
-def check_base(ckpt: Path, base: str | Path, what: str) -> None:
+def check_base(ckpt: Path, base: str | Path, what: str, now: dict[str, str] | None = None) -> None:
     """A LoRA checkpoint's adapters were trained on the base its fingerprint names; refuse ``what``
-    (``--merge``, ``resume``) when the directory at ``base`` now holds something else."""
-    from canntrain_core.models.hf import base_changes
+    (``--merge``, ``generate``, ``resume``) when the directory at ``base`` now holds something else.
+    ``now``: the base's fingerprint when the caller has it already."""
+    from canntrain_core.models.hf import base_changes, base_fingerprint
 
     saved = Path(ckpt) / BASE_FINGERPRINT
     if not saved.is_file():  # written by an older canntrain: nothing to compare
         return
-    changed = base_changes(json.loads(saved.read_text()), base)
+    changed = base_changes(json.loads(saved.read_text()), now or base_fingerprint(base))
     if changed:
         raise BadInput(
             f"{what}: the LoRA base {base} is not the model {ckpt}'s adapters were trained on "
@@ -84,6 +85,37 @@ def language_model_prefix(ckpt: Path) -> str:
     if stage.get("not_a_language_model"):
         raise BadInput(f"{ckpt}: {stage['not_a_language_model']}")
     return stage.get("language_model", "")
+
+
+def stored_language_model(ckpt: Path) -> tuple[dict, str]:
+    """DCP metadata of the checkpoint's language model by Hugging Face name, and where it sits in the model
+    state (:func:`language_model_prefix`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    prefix = "model." + language_model_prefix(ckpt)
+    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}, prefix.removeprefix("model.")
+
+
+def language_model_tensors(ckpt: Path, recipe: dict, config, merge: bool, what: str):
+    """The checkpoint's language model as (Hugging Face name -> shape, ``load(names)`` -> whole tensors), what
+    export writes and generate runs. ``merge``: a LoRA run's base (its fingerprint checked first; ``what`` names
+    the caller in that error) with the adapters folded in. A tied config loses lm_head.weight (transformers ties
+    it back); a checkpoint whose head differs from its embedding (written before training kept the tie) has
+    ``config.tie_word_embeddings`` set to False: what it trained."""
+    stored, prefix = stored_language_model(ckpt)
+    if merge:
+        check_base(ckpt, recipe["model"]["init_from"], what)
+        shapes, load = _merged_source(ckpt, stored, recipe)
+    else:
+        shapes = {n: v.size for n, v in stored.items()}
+        load = partial(_load_from_checkpoint, ckpt, stored, prefix=prefix)
+        if config.tie_word_embeddings and "lm_head.weight" in shapes:
+            pair = load(["model.embed_tokens.weight", "lm_head.weight"])
+            config.tie_word_embeddings = torch.equal(pair["model.embed_tokens.weight"], pair["lm_head.weight"])
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes, load
 
 
 def resolve_checkpoint(source: str | Path) -> Path:
@@ -128,7 +160,6 @@ def export_hf(
     ``out`` must not exist yet (or be empty): nothing is ever overwritten; it appears complete or not at all.
     """
     import yaml
-    from torch.distributed.checkpoint import FileSystemReader
     from transformers import LlamaConfig
 
     ckpt = resolve_checkpoint(source)
@@ -141,38 +172,20 @@ def export_hf(
     lora = recipe.get("lora", {}).get("enabled", False)
     if merge and not lora:
         raise BadInput(f"--merge: {ckpt} is not a LoRA run's checkpoint; there is no adapter to merge")
-    if merge:
-        check_base(ckpt, recipe["model"]["init_from"], "--merge")
     dtype = dtype or {"bf16": "bf16", "fp16": "fp16"}.get(recipe["model"]["precision"], "fp32")
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     config = LlamaConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
     config.architectures = ["LlamaForCausalLM"]
     config.dtype = DTYPES[dtype]
-    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    stored = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
-    prefix = language_model_prefix(ckpt)  # PPO: the actor is the model it trained; the critic stays behind
-    stored = {k.removeprefix(prefix): v for k, v in stored.items() if k.startswith(prefix)}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         if lora and not merge:
-            done = _write_adapter(ckpt, stored, recipe, tmp, DTYPES[dtype])
+            done = _write_adapter(ckpt, stored_language_model(ckpt)[0], recipe, tmp, DTYPES[dtype])
         else:
-            if merge:
-                shapes, load = _merged_source(ckpt, stored, recipe)
-            else:
-                shapes = {n: v.size for n, v in stored.items()}
-                load = partial(_load_from_checkpoint, ckpt, stored, prefix=prefix)
-            if config.tie_word_embeddings and "lm_head.weight" in shapes and not merge:
-                # one tensor under two names since training keeps the tie; a checkpoint where they differ
-                # (written before that) is exported as what it trained: untied
-                pair = load(["model.embed_tokens.weight", "lm_head.weight"])
-                config.tie_word_embeddings = torch.equal(pair["model.embed_tokens.weight"], pair["lm_head.weight"])
-                del pair
-            if config.tie_word_embeddings:
-                shapes.pop("lm_head.weight", None)  # transformers ties it back on load
+            shapes, load = language_model_tensors(ckpt, recipe, config, merge, "--merge")
             done = _write_shards(tmp, shapes, load, DTYPES[dtype], parse_size(max_shard_size))
             config.save_pretrained(tmp)
             _write_generation_config(ckpt, config, tmp)

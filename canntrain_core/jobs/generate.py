@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -144,16 +143,10 @@ def _from_hf(d: Path, device: torch.device, dtype: torch.dtype) -> Generator:
 
 
 def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Generator:
-    from torch.distributed.checkpoint import FileSystemReader
     from transformers import LlamaConfig
 
     from canntrain_core.checkpoint.dcp import checkpoint_config, checkpoint_recipe
-    from canntrain_core.checkpoint.export import (
-        _load_from_checkpoint,
-        _merged_source,
-        language_model_prefix,
-        resolve_checkpoint,
-    )
+    from canntrain_core.checkpoint.export import language_model_tensors, resolve_checkpoint
     from canntrain_core.recipe import TemplateConfig
 
     ckpt = resolve_checkpoint(path)
@@ -161,18 +154,11 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
     fields = checkpoint_config(ckpt)
     if fields is None:
         raise BadInput(f"{ckpt}: no config.json (written by an older canntrain); cannot build its model")
-    prefix = language_model_prefix(ckpt)  # PPO: the actor generates; the critic stays behind
     config = LlamaConfig.from_dict(fields)
     config._attn_implementation = "sdpa"
-    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    stored = {
-        k.removeprefix("model.").removeprefix(prefix): v for k, v in meta.items() if k.startswith("model." + prefix)
-    }
-    if recipe.get("lora", {}).get("enabled", False):  # adapters only: the base with them folded in
-        shapes, load = _merged_source(ckpt, stored, recipe)
-    else:
-        shapes = {n: v.size for n, v in stored.items()}
-        load = partial(_load_from_checkpoint, ckpt, stored, prefix=prefix)
+    # PPO: the actor generates, the critic stays behind; LoRA: adapters only, the base with them folded in
+    lora = recipe.get("lora", {}).get("enabled", False)
+    shapes, load = language_model_tensors(ckpt, recipe, config, merge=lora, what="generate")
     model = _build(config, load(sorted(shapes)), device, dtype, ckpt)
     # a checkpoint written before chat_template.jinja was: the template its recipe formatted conversations with
     template = recipe.get("data", {}).get("template") if recipe.get("train_mode", "pretrain") != "pretrain" else None
@@ -186,6 +172,7 @@ def _build(config, tensors: dict[str, torch.Tensor], device: torch.device, dtype
     from transformers import LlamaForCausalLM
 
     from canntrain_core.models.init import reset_buffers
+    from canntrain_core.models.lifecycle import tie_head
     from canntrain_core.models.lm import CausalLM
 
     head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
@@ -195,16 +182,16 @@ def _build(config, tensors: dict[str, torch.Tensor], device: torch.device, dtype
         hf_model = LlamaForCausalLM(config)
     hf_model.to_empty(device=device)
     missing, _ = hf_model.load_state_dict(tensors, strict=False)
-    if config.tie_word_embeddings:
-        missing = [n for n in missing if n != "lm_head.weight"]
-        hf_model.lm_head.weight = hf_model.model.embed_tokens.weight
+    model = CausalLM(hf_model)
+    tie_head(model, config)  # as training ties it
+    missing = [n for n in missing if not (config.tie_word_embeddings and n == "lm_head.weight")]
     if missing:
         raise BadInput(
             f"{where}: holds no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; cannot build its model"
         )
-    hf_model.to(dtype)
-    reset_buffers(hf_model, config, device)
-    return CausalLM(hf_model)
+    model.to(dtype)
+    reset_buffers(model, config, device)
+    return model
 
 
 def _finish(model, config, d: Path, fallback) -> Generator:

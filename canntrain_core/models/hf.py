@@ -288,7 +288,6 @@ def base_fingerprint(directory: str | Path) -> dict[str, str]:
     return {name: _file_digest(d / name) for name in names}
 
 
-def base_changes(saved: dict[str, str], directory: str | Path) -> list[str]:
-    """The files of ``directory`` that differ from the fingerprint ``saved`` (empty: the same base)."""
-    now = base_fingerprint(directory)
-    return sorted({*saved, *now} - {k for k in saved if saved.get(k) == now.get(k)})
+def base_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The files whose digest differs between two fingerprints (empty: the same base)."""
+    return sorted(k for k in {*saved, *now} if saved.get(k) != now.get(k))

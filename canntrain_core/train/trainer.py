@@ -6,6 +6,7 @@ mesh (pp, dp_replicate, dp_shard, cp, tp), `parallelize` applies it, and only ra
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -508,9 +509,13 @@ class Trainer:
         ``--merge`` and a resume check against what is at ``model.init_from`` then."""
         if not self.recipe.lora.enabled:
             return {}
-        if getattr(self, "_base_fingerprint", None) is None:
-            self._base_fingerprint = json.dumps(base_fingerprint(self.recipe.model.init_from), indent=1)
-        return {BASE_FINGERPRINT: self._base_fingerprint}
+        return {BASE_FINGERPRINT: json.dumps(self.lora_base_fingerprint, indent=1)} if self.rank == 0 else {}
+
+    @functools.cached_property
+    def lora_base_fingerprint(self) -> dict[str, str]:
+        """The LoRA base's digests (``models.hf.base_fingerprint``), read once: rank 0 checks a resume against
+        it and writes it into every checkpoint."""
+        return base_fingerprint(self.recipe.model.init_from)
 
     def _load(self, path: Path) -> None:
         state = checkpoint.load_checkpoint(
@@ -549,7 +554,7 @@ class Trainer:
             path = Path(resume_from)
             checkpoint.verify_checkpoint(path)  # a bad explicit path is an error, not a silent fresh start
         if path is not None and self.recipe.lora.enabled:
-            check_base(path, self.recipe.model.init_from, "resume")
+            check_base(path, self.recipe.model.init_from, "resume", self.lora_base_fingerprint)
         if path is not None:  # refuses a recipe the checkpoint cannot load, before anything is touched
             for line in check_resume(
                 str(path),
