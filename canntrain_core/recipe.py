@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from canntrain_core.errors import RecipeError
 from canntrain_core.recipe_file import read_recipe_file
+from canntrain_core.families import FAMILIES, PRESET_FAMILY
+from canntrain_core.sizing.layout import Layout
+from canntrain_core.sizing.presets import PRESETS
 
 
 class _Section(BaseModel):
@@ -30,7 +33,9 @@ class ExperimentConfig(_Section):
 
 
 class ModelConfig(_Section):
-    type: Literal["llama"] = "llama"
+    # The model family (canntrain_core/families/: llama, qwen2, qwen3, mistral). Unset: the preset's, or
+    # init_from's config.json model_type; set, it must agree with them.
+    type: str | None = None
     preset: str = "tiny"
     # A Hugging Face model directory (config.json + safetensors, tokenizer.json if any) to start
     # from: the architecture and weights come from there, and preset / overrides must agree with it.
@@ -52,11 +57,28 @@ class ModelConfig(_Section):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v: str) -> str:
-        from canntrain_core.sizing.presets import PRESETS
-
         if v not in PRESETS:
             raise ValueError(f"unknown preset {v!r}; known: {', '.join(sorted(PRESETS))}")
         return v
+
+    @field_validator("type")
+    @classmethod
+    def _known_family(cls, v: str | None) -> str | None:
+        if v is not None and v not in FAMILIES:
+            raise ValueError(f"unknown model family {v!r}; known: {', '.join(FAMILIES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _type_is_the_presets(self) -> "ModelConfig":
+        family = PRESET_FAMILY[self.preset].name
+        if self.type is not None and not self.init_from and self.type != family:
+            raise ValueError(f"model.type={self.type} but model.preset={self.preset} is a {family} model")
+        return self
+
+    @property
+    def family(self) -> str:
+        """The family of the preset (``model.init_from``'s comes from its config.json)."""
+        return self.type or PRESET_FAMILY[self.preset].name
 
 
 class TokenizerConfig(_Section):
@@ -209,23 +231,16 @@ class DistributedConfig(_Section):
 
     @model_validator(mode="after")
     def _sizes(self) -> "DistributedConfig":
-        product = (
-            self.tensor_parallel_size
-            * self.pipeline_parallel_size
-            * self.data_parallel_size
-            * self.context_parallel_size
+        sizes = Layout(
+            tp=self.tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            dp=self.data_parallel_size,
+            cp=self.context_parallel_size,
+            ep=self.expert_parallel_size,
         )
-        if product != self.world_size:
-            raise ValueError(
-                f"world_size={self.world_size} but tensor_parallel_size({self.tensor_parallel_size}) x "
-                f"pipeline_parallel_size({self.pipeline_parallel_size}) x data_parallel_size"
-                f"({self.data_parallel_size}) x context_parallel_size({self.context_parallel_size}) = {product}"
-            )
-        if (self.data_parallel_size * self.context_parallel_size) % self.expert_parallel_size:
-            raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size} must divide data_parallel_size x "
-                f"context_parallel_size = {self.data_parallel_size * self.context_parallel_size}"
-            )
+        problem = sizes.size_problem(self.world_size)
+        if problem:
+            raise ValueError(problem)
         return self
 
 
@@ -453,7 +468,7 @@ class Recipe(_Section):
         d = self.distributed
         lines = [
             f"recipe {self.experiment.name!r}: {self.train_mode} "
-            f"{self.model.init_from or self.model.type + '/' + self.model.preset} in {self.model.precision}",
+            f"{self.model.init_from or self.model.family + '/' + self.model.preset} in {self.model.precision}",
             f"  parallel: world {d.world_size} = tp {d.tensor_parallel_size} x pp {d.pipeline_parallel_size} "
             f"x dp {d.data_parallel_size} x cp {d.context_parallel_size} (ep {d.expert_parallel_size}, "
             f"zero {d.zero_optimization})",

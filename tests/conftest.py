@@ -165,29 +165,33 @@ def sft_run(pretrained, tmp_path_factory, data_cache) -> SFTRun:
     return SFTRun(d / "run", export_hf(d / "run", d / "hf").out, tasks, trainer)
 
 
-def write_hf_model(path: Path, vocab: int = 300, tokenizer_vocab: int = 300, tie: bool = False, **shape):
-    """A random tiny Llama and a byte-level BPE tokenizer, written by transformers' own save_pretrained
-    (``tie``: the output head is the embedding, as in Llama 3.2 1B/3B; no lm_head.weight is written; ``shape``:
-    config fields over the default 4 layers of 128)."""
+def write_hf_model(
+    path: Path, vocab: int = 300, tokenizer_vocab: int = 300, tie: bool = False, family: str = "llama", **shape
+):
+    """A random tiny model of ``family`` (canntrain_core/families/) and a byte-level BPE tokenizer, written by
+    transformers' own classes and save_pretrained (``tie``: the output head is the embedding, as in Llama 3.2
+    1B/3B; no lm_head.weight is written; ``shape``: config fields over the family's tiny preset's shape, 4
+    layers of 128); transformers' defaults for everything else."""
     import torch
     from tokenizers import pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from canntrain_core.data.tokenizer import new_byte_level_bpe
+    from canntrain_core.families import FAMILIES
 
-    fields = dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    config = LlamaConfig(
-        **{**fields, **shape}, vocab_size=vocab, bos_token_id=None, eos_token_id=0, tie_word_embeddings=tie
+    f = FAMILIES[family]
+    fields = {k: v for k, v in f.presets[f.tiny].items() if k not in ("vocab_size", "tie_word_embeddings")}
+    fields["max_position_embeddings"] = 256
+    config = AutoConfig.for_model(
+        f.model_types[0],
+        **{**fields, **shape},
+        vocab_size=vocab,
+        bos_token_id=None,
+        eos_token_id=0,
+        tie_word_embeddings=tie,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path, max_shard_size="200KB")  # several shards and an index
     tok = new_byte_level_bpe()
     texts = [Path(p).read_text() for p in sorted((Path(os.__file__).parent / "json").glob("*.py"))]

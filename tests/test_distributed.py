@@ -224,7 +224,7 @@ def test_fsdp2_gets_the_mixed_precision_and_offload_policies():
         },
     )
     with fake_world(2):
-        dims = ParallelDims.from_recipe(recipe.distributed)
+        dims = ParallelDims.from_recipe(recipe)
         model, _ = build_meta_model(
             recipe, model_config(recipe.model, 512), torch.device("cpu"), dims.build_mesh("cpu"), dims
         )

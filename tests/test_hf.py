@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from canntrain_core.cli import main
 from canntrain_core.data import build_data, pretrained_tokenizer
 from canntrain_core.errors import BadInput
+from canntrain_core.families import FAMILIES
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.recipe import load_recipe
@@ -33,9 +34,20 @@ IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    return path, write_hf_model(path)
+def family_dirs(tmp_path_factory) -> dict:
+    """Every family's tiny model (canntrain_core/families/), written by transformers: name -> (dir, model)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {name: (root / f"tiny-{name}", write_hf_model(root / f"tiny-{name}", family=name)) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(family_dirs):
+    return family_dirs["llama"]
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family_dir(request, family_dirs):
+    return family_dirs[request.param]
 
 
 def recipe_from(hf_path, data_cache=None, **extra):
@@ -58,8 +70,8 @@ def recipe_from(hf_path, data_cache=None, **extra):
     return load_recipe(None, {**keys, **extra})
 
 
-def test_init_from_gives_the_same_logits_as_transformers(hf_dir):
-    path, hf = hf_dir
+def test_init_from_gives_the_same_logits_as_transformers(family_dir):
+    path, hf = family_dir
     recipe = recipe_from(path)
     built = build_training_model(recipe, model_config(recipe.model), torch.device("cpu"))
     assert len({row["file"] for row in built.loaded}) > 3  # read from several shards
@@ -67,10 +79,11 @@ def test_init_from_gives_the_same_logits_as_transformers(hf_dir):
         assert (built.model(IDS) - hf(IDS).logits).abs().max() <= LOGITS_TOL
 
 
-@pytest.mark.slow
-def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(hf_dir, tmp_path):
-    """One torchrun launch: FSDP2 x TP2 and PP2 x FSDP2, seeded and from init_from (tests/_hf_ranks.py)."""
-    path, hf = hf_dir
+@pytest.fixture(scope="module")
+def four_ranks(family_dirs, tmp_path_factory) -> Path:
+    """One torchrun launch for every family: FSDP2 x TP2 and PP2 x FSDP2, seeded and from init_from, and SGD steps
+    under FSDP2 x TP2 (tests/_hf_ranks.py)."""
+    out = tmp_path_factory.mktemp("hf-ranks")
     cmd = [
         sys.executable,
         "-m",
@@ -78,25 +91,66 @@ def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(hf_
         "--standalone",
         "--nproc_per_node=4",
         str(ROOT / "tests" / "_hf_ranks.py"),
-        str(path),
-        str(tmp_path),
+        str(out),
+        *(str(path) for path, _ in family_dirs.values()),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    recipe = load_recipe(None, {"experiment.seed": 7, "model.overrides": {"vocab_size": VOCAB}})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(family, family_dirs, four_ranks):
+    path, hf = family_dirs[family]
+    recipe = load_recipe(
+        None, {"experiment.seed": 7, "model.preset": FAMILIES[family].tiny, "model.overrides": {"vocab_size": VOCAB}}
+    )
     single = build_training_model(recipe, model_config(recipe.model), torch.device("cpu")).model
     want = {n: p.detach() for n, p in single.named_parameters()}
-    for layout in ("fsdp2_tp2", "pp2_fsdp2"):
+    # a tied preset has no pipeline layout (the embedding and the head would sit on different stages)
+    for layout in ("fsdp2_tp2",) + ("pp2_fsdp2",) * (not single.config.tie_word_embeddings):
         got = {}
         for rank in range(4):
-            got.update(torch.load(tmp_path / f"{layout}-init-rank{rank}.pt")["params"])
+            got.update(torch.load(four_ranks / f"{family}-{layout}-init-rank{rank}.pt")["params"])
         assert sorted(got) == sorted(want)
         assert all(torch.equal(got[n], want[n]) for n in want), layout  # bit for bit
-    saved = torch.load(tmp_path / "fsdp2_tp2-hf-rank0.pt")
+    saved = torch.load(four_ranks / f"{family}-fsdp2_tp2-hf-rank0.pt")
     with torch.no_grad():
         assert (saved["logits"] - hf(IDS).logits).abs().max() <= LOGITS_TOL
     q = next(r for r in saved["loaded"] if r["tensor"] == "model.layers.0.self_attn.q_proj.weight")
-    assert q["shape"] == [128, 128] and q["slice"] == "[0:32, 0:128]"  # rank 0's quarter: TP rows 0:64, FSDP half
+    rows = hf.model.layers[0].self_attn.q_proj.out_features  # rank 0's quarter: TP rows, then FSDP's half
+    assert q["shape"] == [rows, 128] and q["slice"] == f"[0:{rows // 4}, 0:128]"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sgd_under_fsdp2_tp2_equals_one_process(family, family_dirs, four_ranks):
+    """Three SGD steps from init_from under FSDP2 x TP2 reach the losses and weights of one process: every
+    gradient is reduced where it must be (Qwen3's per-head q/k norms, replicated over tp, included)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_hf_ranks", ROOT / "tests" / "_hf_ranks.py")
+    ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ranks)
+    path, _ = family_dirs[family]
+    recipe = recipe_from(path)
+    model = build_training_model(recipe, model_config(recipe.model), torch.device("cpu")).model
+    opt = torch.optim.SGD(model.parameters(), lr=ranks.SGD_LR)
+    losses = []
+    for batch in ranks.sgd_batches(VOCAB):
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    got = {}
+    for rank in range(4):
+        saved = torch.load(four_ranks / f"{family}-fsdp2_tp2-hf-rank{rank}.pt")
+        assert saved["sgd_losses"] == pytest.approx(losses, rel=1e-5), rank
+        got.update(saved["sgd_params"])
+    worst = max((got[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
+    assert worst <= 1e-5, worst
 
 
 def test_tokenizer_json_encodes_like_autotokenizer(hf_dir):
@@ -109,8 +163,8 @@ def test_tokenizer_json_encodes_like_autotokenizer(hf_dir):
     assert ours.eos_id == theirs.eos_token_id == 0
 
 
-def test_train_from_hf_then_export_loads_with_transformers(hf_dir, tmp_path, data_cache, capsys):
-    path, _ = hf_dir
+def test_train_from_hf_then_export_loads_with_transformers(family_dir, tmp_path, data_cache, capsys):
+    path, hf = family_dir
     trainer = Trainer(recipe_from(path, data_cache), run_dir=tmp_path / "run", progress=False)
     assert "its tokenizer.json (data.tokenizer settings do not apply)" in capsys.readouterr().out
     assert trainer.data.info["tokenizer_source"] == "given" and trainer.data.vocab_size == VOCAB
@@ -121,6 +175,7 @@ def test_train_from_hf_then_export_loads_with_transformers(hf_dir, tmp_path, dat
     assert len(set(index["weight_map"].values())) > 1
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
     loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is type(hf)  # the family's own class (Qwen2ForCausalLM, ...)
     with torch.no_grad():
         assert (loaded(IDS).logits - trainer.model(IDS)).abs().max() <= LOGITS_TOL
     tok = AutoTokenizer.from_pretrained(out)
@@ -136,11 +191,13 @@ def _tensor_names(d: Path) -> set[str]:
     return set(weight_files(d))
 
 
-def test_a_tied_model_from_hf_trains_tied_and_exports_what_it_trained(tmp_path, data_cache):
-    """A directory without lm_head.weight (tie_word_embeddings) loads; the head stays the embedding through
-    training; the export has no lm_head.weight either and gives the trained model's logits."""
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_tied_model_from_hf_trains_tied_and_exports_what_it_trained(family, tmp_path, data_cache):
+    """A directory without lm_head.weight (tie_word_embeddings, as Llama 3.2 1B and Qwen2.5/Qwen3's small sizes
+    are written) loads; the head stays the embedding through training; the export has no lm_head.weight either
+    and gives the trained model's logits."""
     src = tmp_path / "tied"
-    hf = write_hf_model(src, tie=True)
+    hf = write_hf_model(src, tie=True, family=family)
     assert "lm_head.weight" not in _tensor_names(src)
     trainer = Trainer(recipe_from(src, data_cache), run_dir=tmp_path / "run", progress=False)
     model = trainer.model
@@ -158,14 +215,19 @@ def test_a_tied_model_from_hf_trains_tied_and_exports_what_it_trained(tmp_path, 
         assert (loaded(IDS).logits - model(IDS)).abs().max() <= LOGITS_TOL
 
 
-def test_a_fresh_tied_run_exports_what_it_trained(tmp_path, fast_recipe):
-    recipe = fast_recipe(**{"model.overrides.tie_word_embeddings": True, "optim.max_steps": 4})
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_fresh_tied_run_exports_what_it_trained(family, tmp_path, fast_recipe):
+    """Pretraining each family's tiny preset, tied: the export loads in transformers as the family's class."""
+    recipe = fast_recipe(
+        **{"model.preset": FAMILIES[family].tiny, "model.overrides.tie_word_embeddings": True, "optim.max_steps": 4}
+    )
     trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
     trainer.fit()
     model = trainer.model.eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 0
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(loaded).__name__ == FAMILIES[family].causal_lm_class
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (loaded(ids).logits - model(ids)).abs().max() <= LOGITS_TOL

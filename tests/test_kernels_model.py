@@ -80,7 +80,7 @@ def test_overrides_and_errors(stock):
     gelu = build_model("tiny", {"num_hidden_layers": 1, "hidden_act": "gelu"}, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="hidden_act"):
         apply_kernels(gelu, ModelConfig())
-    with pytest.raises(TypeError, match="no Llama"):
+    with pytest.raises(TypeError, match="no norm, MLP or attention modules"):
         apply_kernels(torch.nn.Linear(2, 2), ModelConfig())
 
 

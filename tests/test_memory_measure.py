@@ -25,6 +25,16 @@ CASES = {
         dict(micro_batch=1, seq_length=2048, tp=2, sequence_parallel=False, vocab_parallel=False),
     ),
     "7b-2L-fp32-accum2": ("llama2-7b", 2, dict(micro_batch=1, seq_length=1024, precision="fp32", grad_accum=2)),
+    # the other families: q/k/v biases (Qwen2), per-head q/k norms and a head_dim wider than hidden/heads (Qwen3)
+    "tiny-qwen2-bf16": ("tiny-qwen2", None, dict(micro_batch=2, seq_length=128)),
+    "tiny-qwen3-bf16": ("tiny-qwen3", None, dict(micro_batch=2, seq_length=128)),
+    "tiny-mistral-fp32": ("tiny-mistral", None, dict(micro_batch=2, seq_length=128, precision="fp32")),
+    "qwen3-0.6b-2L-bf16": ("qwen3-0.6b", 2, dict(micro_batch=1, seq_length=2048)),
+    "qwen2.5-7b-2L-tp2": (
+        "qwen2.5-7b",
+        2,
+        dict(micro_batch=1, seq_length=2048, tp=2, sequence_parallel=False, vocab_parallel=False),
+    ),
 }
 
 

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from canntrain_core.sizing.presets import PRESETS
+
 from canntrain_core.cli import main
 from canntrain_core.memory import GiB, TrainSetup, get_device, oom_hint, shape_from_preset, shape_from_recipe
 from canntrain_core.recipe import load_recipe
@@ -103,6 +105,36 @@ def test_llama3_presets_are_the_public_models_for_the_builder_and_the_estimator(
     assert count_parameters(model) == shape_from_preset(preset).num_params() == LLAMA3[preset]
     assert model.config.rope_parameters["rope_type"] == "llama3" and model.config.vocab_size == 128256
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == preset.startswith("llama3.2")
+
+
+# Parameter counts of the other families' public checkpoints (their model cards' safetensors totals).
+PUBLIC = {
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-72b": 72_706_203_648,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-32b": 32_762_123_264,
+    "mistral-7b": 7_248_023_552,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_counts_the_same_in_the_builder_and_the_estimator(preset):
+    """The family's transformers class on meta and the estimator's shape agree on every preset, biases and
+    per-head norms included; the public ones equal the published totals."""
+    from canntrain_core.families import PRESET_FAMILY
+    from canntrain_core.models.registry import build_model, count_parameters
+
+    model = build_model(preset, device="meta")
+    assert type(model).__name__ == PRESET_FAMILY[preset].causal_lm_class
+    assert (
+        count_parameters(model)
+        == shape_from_preset(preset).num_params()
+        == PUBLIC.get(preset, LLAMA3.get(preset, count_parameters(model)))
+    )
+    tied = model.config.tie_word_embeddings
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
 
 
 def test_the_planner_never_splits_a_tied_model_over_pipeline_stages():

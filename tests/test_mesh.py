@@ -20,11 +20,11 @@ def test_rank_coordinates_match_init_device_mesh():
 
 
 def test_zero_stage_picks_shard_or_replicate():
-    d = load_recipe(None, {"distributed.world_size": 4, "distributed.data_parallel_size": 4}).distributed
+    d = load_recipe(None, {"distributed.world_size": 4, "distributed.data_parallel_size": 4})
     assert ParallelDims.from_recipe(d) == ParallelDims(pp=1, dp_replicate=4, dp_shard=1, cp=1, tp=1)
     d = load_recipe(
         None, {"distributed.world_size": 4, "distributed.data_parallel_size": 4, "distributed.zero_optimization": 3}
-    ).distributed
+    )
     assert ParallelDims.from_recipe(d).dp_shard == 4
 
 

@@ -18,15 +18,17 @@ from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.models.rollout import generate, layout, token_logprobs
 from canntrain_core.recipe import load_recipe
-from canntrain_core.rlhf.start import CONFIGS, tiny_start, trained
+from canntrain_core.jobs.alignment_start import tiny_start, trained
 from canntrain_core.stages import make_trainer
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.trainer import runs_root
 from conftest import TINY
 
+CONFIGS = Path(__file__).resolve().parents[1] / "cookbook" / "llama" / "configs"
+
 WORKDIR = runs_root() / "rlhf"  # the alignment notebooks' workdir under the suite's $CANNTRAIN_RUNS
 
-# the notebooks' settings: their recipes are trained once, here or there (rlhf.start.trained)
+# the notebooks' settings: their recipes are trained once, here or there (jobs.alignment_start.trained)
 REWARD_STEPS = 100
 ONLINE_STEPS = {"grpo": 30, "ppo": 20}
 
@@ -65,10 +67,10 @@ def _rows(run_dir) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def start():
-    """What the alignment notebooks start from (``rlhf.start.tiny_start``, in their workdir and cached there
+    """What the alignment notebooks start from (``jobs.alignment_start.tiny_start``, in their workdir and cached there
     under this code's version): 60 steps of pretraining, 100 of SFT (answers in the task's format, about half
     right), sort prompts and preference pairs."""
-    return tiny_start(WORKDIR)
+    return tiny_start(WORKDIR, CONFIGS)
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +209,7 @@ def test_canntrain_start_makes_what_the_tiny_recipes_read(start, tmp_path, data_
             timeout=600,
         )
 
-    made = canntrain("start", "--cache", str(WORKDIR))  # the start the fixture made: nothing retrains
+    made = canntrain("start", "--cache", str(WORKDIR), "--configs", str(CONFIGS))  # the fixture's: nothing retrains
     assert made.returncode == 0, made.stderr[-2000:]
     assert {p.name for p in (tmp_path / "runs").iterdir()} >= {
         "tiny_pretrained_hf",
@@ -231,5 +233,5 @@ def test_canntrain_start_makes_what_the_tiny_recipes_read(start, tmp_path, data_
             f"data.cache_dir={data_cache}",
         )
         assert run.returncode == 0, run.stderr[-2000:]
-    again = canntrain("start", "--cache", str(WORKDIR))
+    again = canntrain("start", "--cache", str(WORKDIR), "--configs", str(CONFIGS))
     assert again.returncode == 0 and again.stdout.count("exists, kept") == 5

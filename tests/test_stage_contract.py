@@ -18,11 +18,12 @@ import torch
 from canntrain_core.finetune.data import write_jsonl
 from canntrain_core.finetune.tasks import task_records
 from canntrain_core.recipe import Recipe, load_recipe
-from canntrain_core.rlhf.data import preference_records
-from canntrain_core.rlhf.start import CONFIGS
+from canntrain_core.finetune.alignment_data import preference_records
 from canntrain_core.train.metrics import read_metrics
 from conftest import write_hf_model
 from canntrain_core.stages import make_trainer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "cookbook" / "llama" / "configs"
 
 STEPS = 4
 TIMING = ("timing_s/", "perf/", "tokens_per_second", "tflops", "mfu", "step_time", "peak_memory")

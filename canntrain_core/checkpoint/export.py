@@ -28,6 +28,7 @@ import torch
 
 from canntrain_core.checkpoint.dcp import CheckpointError, latest_checkpoint, single_process_ok, verify_checkpoint
 from canntrain_core.errors import BadInput
+from canntrain_core.models.lora import is_adapter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {
@@ -160,7 +161,9 @@ def export_hf(
     ``out`` must not exist yet (or be empty): nothing is ever overwritten; it appears complete or not at all.
     """
     import yaml
-    from transformers import LlamaConfig
+
+    from canntrain_core.families import family_of
+    from canntrain_core.models.classes import config_from_dict
 
     ckpt = resolve_checkpoint(source)
     out = Path(out)
@@ -169,14 +172,14 @@ def export_hf(
     if not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt}: no config.json (written by an older canntrain); cannot export it")
     recipe = yaml.safe_load((ckpt / "recipe.resolved.yaml").read_text())
-    lora = recipe.get("lora", {}).get("enabled", False)
+    lora = holds_adapters(ckpt)
     if merge and not lora:
         raise BadInput(f"--merge: {ckpt} is not a LoRA run's checkpoint; there is no adapter to merge")
     dtype = dtype or {"bf16": "bf16", "fp16": "fp16"}.get(recipe["model"]["precision"], "fp32")
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    config = LlamaConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
-    config.architectures = ["LlamaForCausalLM"]
+    config = config_from_dict(json.loads((ckpt / "config.json").read_text()), str(ckpt / "config.json"))
+    config.architectures = [family_of(config).causal_lm_class]
     config.dtype = DTYPES[dtype]
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +246,13 @@ def _write_shards(out: Path, shapes: dict[str, torch.Size], load, dtype: torch.d
 
 
 def _adapters(stored: dict) -> list[str]:
-    return [n for n in stored if "lora_A" in n or "lora_B" in n]
+    return [n for n in stored if is_adapter(n)]
+
+
+def holds_adapters(ckpt: Path) -> bool:
+    """Whether the checkpoint's language model is LoRA adapters (a base named by its fingerprint), read off
+    its tensors."""
+    return bool(_adapters(stored_language_model(ckpt)[0]))
 
 
 def _write_adapter(ckpt: Path, stored: dict, recipe: dict, out: Path, dtype: torch.dtype):

@@ -19,7 +19,7 @@ from canntrain_core.data.cache import DataError, resolve_cache_dir
 from canntrain_core.data.corpus import load_corpus
 from canntrain_core.data.dataset import PackedDataset
 from canntrain_core.data.pretokenize import pretokenize
-from canntrain_core.data.sampler import ResumableSampler
+from canntrain_core.data.sampler import ResumableSampler, val_share
 from canntrain_core.data.tokenizer import TrainedTokenizer, get_tokenizer
 from canntrain_core.recipe import DataConfig
 from canntrain_core.data.tokenizer import TokenText
@@ -55,24 +55,17 @@ class DataBundle(TokenText):
         )
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[torch.Tensor]:
-        """This data-parallel rank's share of the first ``n_samples`` validation samples, in batches.
-
-        The evaluated set depends only on ``n_samples`` (rounded down to whole batches on every
-        rank), not on the layout: rank r takes samples r, r + dp_size, ... So the mean over ranks
-        of their mean losses is the loss of one process evaluating the same set. Same tensors on
-        every call.
-        """
-        if self.val is None:  # data.val_fraction 0: no evaluation
-            return []
-        per_round = batch_size * dp_size
-        total = min(n_samples, len(self.val)) // per_round * per_round
-        if total == 0:
-            raise DataError(
-                f"the val split has {len(self.val)} samples, fewer than one batch on every rank "
-                f"({batch_size} x {dp_size}); raise data.max_bytes or data.val_fraction, or lower data.batch_size"
-            )
-        mine = range(dp_rank, total, dp_size)
-        return [torch.stack([self.val[i] for i in mine[k : k + batch_size]]) for k in range(0, len(mine), batch_size)]
+        """This data-parallel rank's share of the first ``n_samples`` validation samples, in batches
+        (``data.sampler.val_share``); the same tensors on every call."""
+        share = val_share(
+            len(self.val) if self.val is not None else 0,
+            n_samples,
+            batch_size,
+            dp_rank,
+            dp_size,
+            "raise data.max_bytes or data.val_fraction, or lower data.batch_size",
+        )
+        return [torch.stack([self.val[i] for i in batch]) for batch in share]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no EOS appended; a literal <|endoftext|> in a prompt does become EOS,

@@ -119,3 +119,25 @@ class ResumableSampler(Sampler[int]):
             f"ResumableSampler(num_samples={self.num_samples}, seed={self.seed}, rank {self.dp_rank}/"
             f"{self.dp_size}, epoch {self.epoch}, position {self.position}/{self.samples_per_epoch})"
         )
+
+
+def val_share(rows: int, n_samples: int, batch_size: int, dp_rank: int, dp_size: int, raise_what: str) -> list:
+    """This data-parallel rank's share of the first ``n_samples`` of ``rows`` validation rows, as batches of
+    row indices (every stage's ``val_batches`` stacks its rows by them).
+
+    The evaluated set depends only on ``n_samples`` (rounded down to whole batches on every rank), not on the
+    layout: rank r takes rows r, r + dp_size, ... So the mean over ranks of their mean losses is the loss of
+    one process evaluating the same set. No rows (``data.val_fraction: 0``): no batches; fewer than one
+    batch on every rank: a DataError ending with ``raise_what`` (the keys that give more).
+    """
+    if rows == 0:
+        return []
+    per_round = batch_size * dp_size
+    total = min(n_samples, rows) // per_round * per_round
+    if total == 0:
+        raise DataError(
+            f"the val split has {rows} rows, fewer than one batch on every rank ({batch_size} x {dp_size}); "
+            f"{raise_what}"
+        )
+    mine = range(dp_rank, total, dp_size)
+    return [list(mine[k : k + batch_size]) for k in range(0, len(mine), batch_size)]

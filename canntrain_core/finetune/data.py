@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from canntrain_core.data.cache import DataError
-from canntrain_core.data.sampler import ResumableSampler
+from canntrain_core.data.sampler import ResumableSampler, val_share
 from canntrain_core.finetune.format import ChatFormat, Encoded
 from canntrain_core.finetune.records import Conversation, read_conversations
 from canntrain_core.data.tokenizer import TokenText
@@ -130,20 +130,11 @@ class SFTBundle(TokenText):
         )
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
-        if self.val is None:  # data.val_fraction 0: no evaluation
-            return []
-        per_round = batch_size * dp_size
-        total = min(n_samples, len(self.val)) // per_round * per_round
-        if total == 0:
-            raise DataError(
-                f"the val split has {len(self.val)} rows, fewer than one batch on every rank "
-                f"({batch_size} x {dp_size}); raise data.val_fraction or lower data.batch_size"
-            )
-        mine = list(range(dp_rank, total, dp_size))
-        return [
-            {k: torch.stack([self.val[i][k] for i in mine[j : j + batch_size]]) for k in self.val[0]}
-            for j in range(0, len(mine), batch_size)
-        ]
+        rows = len(self.val) if self.val is not None else 0
+        share = val_share(
+            rows, n_samples, batch_size, dp_rank, dp_size, "raise data.val_fraction or lower data.batch_size"
+        )
+        return [{k: torch.stack([self.val[i][k] for i in batch]) for k in self.val[0]} for batch in share]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -78,13 +78,15 @@ def parse_record(record: object, fmt: str = "auto") -> tuple[tuple[str, str], ..
     return tuple(turns)
 
 
-def read_conversations(
-    path: str | Path, fmt: str = "auto", on_bad_record: str = "error"
-) -> tuple[list[Conversation], list[str]]:
-    """Every conversation of a JSONL file, and "file:line: why" for each line left out (skip policy)."""
+def read_records(path: str | Path, parse, what: str, on_bad_record: str = "error") -> tuple[list, list[str]]:
+    """``parse(name, record)`` of every line of the JSONL file ``path`` (``what`` it holds, for the errors), and
+    "file:line: why" for each line left out. The one bad-record policy of the instruction and preference
+    data: a line that is not UTF-8 JSON, or that ``parse`` refuses with a :class:`BadRecord`, stops the run
+    naming file and line (``data.on_bad_record: error``) or is left out and counted (``skip``); blank lines
+    are ignored; a file with nothing usable is an error either way."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data.source: {path} does not exist (instruction data is a .jsonl file)")
+        raise DataError(f"data.source: {path} does not exist ({what} are a .jsonl file)")
     out, bad = [], []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -97,7 +99,7 @@ def read_conversations(
                     raise BadRecord(f"not valid UTF-8 ({e.reason})") from None
                 except json.JSONDecodeError as e:
                     raise BadRecord(f"invalid JSON: {e.msg} (column {e.colno})") from None
-                out.append(Conversation(f"{path.name}:{lineno}", parse_record(record, fmt)))
+                out.append(parse(f"{path.name}:{lineno}", record))
             except BadRecord as e:
                 if on_bad_record == "error":
                     raise DataError(
@@ -105,5 +107,14 @@ def read_conversations(
                     ) from None
                 bad.append(f"{path.name}:{lineno}: {e}")
     if not out:
-        raise DataError(f"{path}: no usable instruction records ({len(bad)} left out: {'; '.join(bad[:3])})")
+        raise DataError(f"{path}: no usable {what} ({len(bad)} left out: {'; '.join(bad[:3])})")
     return out, bad
+
+
+def read_conversations(
+    path: str | Path, fmt: str = "auto", on_bad_record: str = "error"
+) -> tuple[list[Conversation], list[str]]:
+    """Every conversation of a JSONL file, and "file:line: why" for each line left out (:func:`read_records`)."""
+    return read_records(
+        path, lambda name, record: Conversation(name, parse_record(record, fmt)), "instruction records", on_bad_record
+    )

@@ -143,10 +143,9 @@ def _from_hf(d: Path, device: torch.device, dtype: torch.dtype) -> Generator:
 
 
 def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Generator:
-    from transformers import LlamaConfig
-
     from canntrain_core.checkpoint.dcp import checkpoint_config, checkpoint_recipe
-    from canntrain_core.checkpoint.export import language_model_tensors, resolve_checkpoint
+    from canntrain_core.checkpoint.export import STAGE_FILE, holds_adapters, language_model_tensors, resolve_checkpoint
+    from canntrain_core.models.classes import config_from_dict
     from canntrain_core.recipe import TemplateConfig
 
     ckpt = resolve_checkpoint(path)
@@ -154,14 +153,12 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
     fields = checkpoint_config(ckpt)
     if fields is None:
         raise BadInput(f"{ckpt}: no config.json (written by an older canntrain); cannot build its model")
-    config = LlamaConfig.from_dict(fields)
-    config._attn_implementation = "sdpa"
+    config = config_from_dict(fields, str(ckpt / "config.json"))
     # PPO: the actor generates, the critic stays behind; LoRA: adapters only, the base with them folded in
-    lora = recipe.get("lora", {}).get("enabled", False)
-    shapes, load = language_model_tensors(ckpt, recipe, config, merge=lora, what="generate")
+    shapes, load = language_model_tensors(ckpt, recipe, config, merge=holds_adapters(ckpt), what="generate")
     model = _build(config, load(sorted(shapes)), device, dtype, ckpt)
-    # a checkpoint written before chat_template.jinja was: the template its recipe formatted conversations with
-    template = recipe.get("data", {}).get("template") if recipe.get("train_mode", "pretrain") != "pretrain" else None
+    # a checkpoint older than stage.json and chat_template.jinja: the template its recipe would format with
+    template = None if (ckpt / STAGE_FILE).is_file() else recipe.get("data", {}).get("template")
     fallback = TemplateConfig(**template) if template else None
     return _finish(model, config, ckpt, fallback)
 
@@ -169,8 +166,7 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
 def _build(config, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, where: Path):
     """The CausalLM of ``config`` on ``device`` in ``dtype``, its parameters ``tensors`` (Hugging Face names;
     a tied model may leave out lm_head.weight)."""
-    from transformers import LlamaForCausalLM
-
+    from canntrain_core.models.classes import causal_lm_class
     from canntrain_core.models.init import reset_buffers
     from canntrain_core.models.lifecycle import tie_head
     from canntrain_core.models.lm import CausalLM
@@ -179,7 +175,7 @@ def _build(config, tensors: dict[str, torch.Tensor], device: torch.device, dtype
     if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
         config.tie_word_embeddings = False  # a head that differs from the embedding is what was trained
     with torch.device("meta"):
-        hf_model = LlamaForCausalLM(config)
+        hf_model = causal_lm_class(config)(config)
     hf_model.to_empty(device=device)
     missing, _ = hf_model.load_state_dict(tensors, strict=False)
     model = CausalLM(hf_model)

@@ -1,6 +1,6 @@
 """`canntrain tasks OUT.jsonl [--n 4000] [--seed 0] [--kinds reverse,sort,add,upper] [--pairs]`: instruction data
 with answers a program can check (canntrain_core/finetune/tasks.py), for the tiny SFT, LoRA, GRPO and PPO recipes;
-``--pairs``: preference pairs ranked by the same check, for the reward model and DPO (rlhf/data.py)."""
+``--pairs``: preference pairs ranked by the same check, for the reward model and DPO (finetune/alignment_data.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from canntrain_core.errors import BadInput
     from canntrain_core.finetune.data import write_jsonl
     from canntrain_core.finetune.tasks import KINDS, task_records
-    from canntrain_core.rlhf.data import preference_records
+    from canntrain_core.finetune.alignment_data import preference_records
 
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = [k for k in kinds if k not in KINDS]

@@ -45,18 +45,19 @@ def _train(args: argparse.Namespace) -> int:
     trainer = make_trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
     result = trainer.fit()
     if trainer.rank == 0:
-        _draw_loss(trainer.run_dir)
+        _draw(trainer.run_dir, trainer.plot)
     print(result)
     return 0
 
 
-def _draw_loss(run_dir) -> None:
-    """plots/loss.png (alignment.png for GRPO and PPO) from metrics.jsonl; a finished run never fails on its picture."""
+def _draw(run_dir, plot: str) -> None:
+    """The stage's picture (``Trainer.plot``) from metrics.jsonl: plots/loss.png, or alignment.png (GRPO, PPO:
+    score, reward, KL); a finished run never fails on its picture."""
     try:
         from canntrain_core.viz.plots import plot_alignment, plot_loss
 
-        if (run_dir / "metrics.jsonl").is_file() and '"true_score/mean"' in (run_dir / "metrics.jsonl").read_text():
-            plot_alignment(run_dir, run_dir / "plots" / "alignment.png")  # GRPO, PPO: score, reward, KL
+        if plot == "alignment":
+            plot_alignment(run_dir, run_dir / "plots" / "alignment.png")
         else:
             plot_loss([run_dir], run_dir / "plots" / "loss.png")
     except Exception as e:  # matplotlib backends, fonts, a full disk: say so and move on

@@ -26,6 +26,8 @@ import torch
 from canntrain_core.memory.recipe_shape import shape_from_recipe
 from canntrain_core.sizing.estimator import GiB, estimate
 from canntrain_core.sizing.setup import setup_from_recipe
+from canntrain_core.stages import stage_of
+from canntrain_core.train.trainer import Trainer
 
 _HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -40,7 +42,7 @@ class Role:
 
 @dataclass
 class AlignmentEstimate:
-    mode: str
+    mode: str  # the stage's train_mode
     placement: str
     roles: list[Role]
     phases: dict[str, int]  # peak bytes per phase on a trained rank
@@ -64,36 +66,25 @@ class AlignmentEstimate:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def models_of(recipe) -> list[tuple[str, bool, bool]]:
-    """(name, trains, scalar head) of each model a stage holds."""
-    h, mode = recipe.rlhf, recipe.train_mode
-    if mode == "reward":
-        return [("reward", True, True)]
-    out = [("actor" if mode == "ppo" else "policy", True, False)]
-    if mode == "ppo":
-        out.append(("critic", True, True))
-    if mode == "dpo" or h.kl_coeff > 0:
-        out.append(("reference", False, False))
-    if mode == "ppo" and h.reward_model:
-        out.append(("reward", False, True))
-    return out
+def several_models(recipe) -> bool:
+    """Whether a rank of ``recipe``'s stage holds more than one plain language model (the alignment stages:
+    frozen references, reward models, scalar heads), which :func:`estimate_alignment` estimates."""
+    return stage_of(recipe).roles(recipe) != Trainer.roles(recipe)
 
 
 def estimate_alignment(recipe) -> AlignmentEstimate:
-    """Per-rank memory of ``recipe`` (train_mode reward, dpo, grpo or ppo) by model and phase."""
-    h, d, mode = recipe.rlhf, recipe.distributed, recipe.train_mode
+    """Per-rank memory of ``recipe`` (its stage's models, :meth:`Trainer.roles`) by model and phase."""
+    h, d, stage = recipe.rlhf, recipe.distributed, stage_of(recipe)
     shape = shape_from_recipe(recipe)
-    online = mode in ("grpo", "ppo")
-    # rows per optimizer step and per rollout, on one rank
-    mini = h.mini_batch_size if online else 2 * recipe.data.batch_size  # a pair is two rows
-    n_rollout = recipe.data.batch_size * (h.group_size if mode == "grpo" else 1)
+    mini, n_rollout = stage.rows(recipe)  # rows per optimizer step and per rollout, on one rank
+    online = n_rollout > 0
     setup = setup_from_recipe(recipe, micro_batch=mini, grad_accum=1)
-    separated = mode == "ppo" and h.device_placement == "separated"
+    separated = stage.extra_ranks(recipe) > 0
     shard = d.tensor_parallel_size * (d.data_parallel_size if d.zero_optimization >= 1 else 1)
     half = _HALF[recipe.model.precision]
     roles, trained = [], []
     frozen_here = frozen_there = 0
-    for name, trains, scalar in models_of(recipe):
+    for name, trains, scalar in stage.roles(recipe):
         sh = shape.as_scalar_head() if scalar else shape
         if trains:
             est = estimate(sh, setup)
@@ -123,7 +114,7 @@ def estimate_alignment(recipe) -> AlignmentEstimate:
     elif frozen_here:
         notes.append("shared: the frozen models are sharded like the actor (fp32 storage) on every rank")
     return AlignmentEstimate(
-        mode,
+        stage.train_modes[0],
         "separated" if separated else "shared",
         roles,
         phases,

@@ -50,6 +50,7 @@ def register(subparsers) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
+    from canntrain_core.memory.alignment import several_models
     from canntrain_core.memory.recipe_shape import shape_from_recipe
     from canntrain_core.memory.report import compare_table, estimate_table, to_json
     from canntrain_core.recipe import load_recipe
@@ -62,7 +63,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     check_layout(recipe, shape)  # the estimate of a layout the trainer refuses would mislead
     target = recipe.distributed.target_device
     cap = parse_bytes(args.device_memory or target) if (args.device_memory or target) else None
-    if recipe.train_mode in ("reward", "dpo", "grpo", "ppo"):  # several models per rank
+    if several_models(recipe):  # the alignment stages
         return _estimate_alignment(recipe, cap, args)
     meas = None
     if args.measure:

@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from canntrain_core.sizing.setup import TrainSetup
-from canntrain_core.sizing.shapes import ModelShape, llama_overrides
+from canntrain_core.sizing.shapes import ModelShape, rebuild_recipe
 
 _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -81,7 +81,7 @@ def recipe_for(shape: ModelShape, s: TrainSetup):
     return load_recipe(
         None,
         {
-            "model.overrides": llama_overrides(shape),
+            **rebuild_recipe(shape),
             "model.precision": s.precision,
             "model.activation_checkpointing": s.recompute,
             "data.batch_size": s.micro_batch,
@@ -119,7 +119,7 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 2) -> Measuremen
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from canntrain_core.models.lifecycle import build_meta_model
+    from canntrain_core.models.lifecycle import build_meta_model, tie_head
     from canntrain_core.models.registry import build_config
     from canntrain_core.parallel.data_parallel import sync_gradients
     from canntrain_core.runtime.distributed import ParallelDims
@@ -128,13 +128,18 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 2) -> Measuremen
     t0 = time.perf_counter()
     recipe = recipe_for(shape, s)
     with fake_world(s.world_size):
-        dims = ParallelDims.from_recipe(recipe.distributed)
+        dims = ParallelDims.from_recipe(recipe)
         # the trainer's own build and parallelize, stopped before anything is allocated
         model, _ = build_meta_model(
-            recipe, build_config("tiny", recipe.model.overrides), torch.device("cpu"), dims.build_mesh("cpu"), dims
+            recipe,
+            build_config(recipe.model.preset, recipe.model.overrides),
+            torch.device("cpu"),
+            dims.build_mesh("cpu"),
+            dims,
         )
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
+            tie_head(model, model.config)  # as the trainer does: a tied head is the embedding
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
             ids = torch.randint(0, shape.vocab_size, (s.micro_batch, s.seq_length))
             amp = (

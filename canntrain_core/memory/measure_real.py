@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from canntrain_core.sizing.setup import TrainSetup
-from canntrain_core.sizing.shapes import ModelShape, llama_overrides
+from canntrain_core.sizing.shapes import ModelShape, rebuild_recipe
 
 _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -32,12 +32,12 @@ def measure_real(shape: ModelShape, s: TrainSetup, steps: int = 2, device: str |
     recipe = load_recipe(
         None,
         {
-            "model.overrides": llama_overrides(shape),
+            **rebuild_recipe(shape),
             "model.precision": s.precision,
             "model.activation_checkpointing": s.recompute,
         },
     )
-    model = build_training_model(recipe, build_config("tiny", recipe.model.overrides), acc.device).model
+    model = build_training_model(recipe, build_config(recipe.model.preset, recipe.model.overrides), acc.device).model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     ids = torch.randint(0, shape.vocab_size, (s.micro_batch, s.seq_length), device=acc.device)
     amp = acc.autocast(s.precision) if s.precision != "fp32" else contextlib.nullcontext()

@@ -34,7 +34,7 @@ def rss_bytes() -> int:
 def measure(out: str | Path, overrides: dict, path: str = "meta") -> dict:
     import torch
     import torch.distributed as dist
-    from transformers import LlamaForCausalLM
+    from canntrain_core.models.classes import causal_lm_class
 
     from canntrain_core.models.lifecycle import build_training_model
     from canntrain_core.models.lm import CausalLM
@@ -49,7 +49,7 @@ def measure(out: str | Path, overrides: dict, path: str = "meta") -> dict:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     recipe = load_recipe(None, {**overrides, "distributed.world_size": world})
-    dims = ParallelDims.from_recipe(recipe.distributed)
+    dims = ParallelDims.from_recipe(recipe)
     mesh = dims.build_mesh("cpu")
     config = model_config(recipe.model)
     # Now, not the peak: a first import in a fresh environment (bytecode, transformers' module scan)
@@ -58,7 +58,7 @@ def measure(out: str | Path, overrides: dict, path: str = "meta") -> dict:
     if path == "meta":
         model = build_training_model(recipe, config, torch.device("cpu"), mesh, dims).model
     elif path == "host":
-        model = CausalLM(LlamaForCausalLM(config))
+        model = CausalLM(causal_lm_class(config)(config))
         parallelize(model, mesh, dims, recipe, torch.device("cpu"))
     else:
         raise ValueError(f"path must be 'meta' or 'host', got {path!r}")

@@ -1,6 +1,7 @@
-"""Wire the kernel registry into transformers' Llama: norms, RoPE, MLP activation, attention, loss.
+"""Wire the kernel registry into transformers' models: norms, RoPE, MLP activation, attention, loss.
 
-``apply_kernels`` swaps the class of each LlamaRMSNorm, LlamaMLP and LlamaAttention module for a
+``apply_kernels`` swaps the class of each norm, MLP and attention module the model's family lists
+(``Family.kernel_modules``: Llama's, Qwen2's, Mistral's, which compute a Llama block) for a
 subclass whose ``forward`` calls the ops chosen by the recipe (``model.kernels`` and
 ``model.kernel_overrides``). Parameters, buffers and state-dict keys stay exactly as they were,
 so checkpoints, FSDP and the optimizer see the same model. ``loss_cross_entropy`` returns the
@@ -23,8 +24,9 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
 import canntrain_kernels as kernels
-from canntrain_kernels.registry import Selection
 from canntrain_core.errors import RecipeError
+from canntrain_core.families import family_of
+from canntrain_kernels.registry import Selection
 
 _PRECISION_DTYPES = {"fp32": ("fp32",), "bf16": ("fp32", "bf16"), "fp16": ("fp32", "fp16")}
 
@@ -72,7 +74,10 @@ class FusedLlamaAttention(LlamaAttention):
         q, k = self._rope(q, k, cos, sin)
         if cache is not None:  # generation: keys and values so far; queries align with the last ones
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        window = getattr(self.config, "sliding_window", None)
+        # Mistral's window (Qwen's only with use_sliding_window); the trainer refuses sequences longer than it
+        window = (
+            getattr(self.config, "sliding_window", None) if getattr(self.config, "use_sliding_window", True) else None
+        )
         out = self._attention(q, k, v, causal=True, window=window, scale=self.scaling)  # [B, Hq, S, D]
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
@@ -137,22 +142,28 @@ def apply_kernels(model: torch.nn.Module, model_config: Any, device: str | None 
     device = _device_type(model, device)
     chosen = select_kernels(model_config, device)
     fns = {op: kernels.registry.kernel(op, sel.backend).fn for op, sel in chosen.items()}
+    # the family's modules that compute what the fused ones do (Qwen3's attention, with its per-head norms,
+    # is not one of them: it keeps transformers' forward)
+    kinds = family_of(config).kernel_modules if config is not None else {}
     swapped = 0
     for module in model.modules():
-        if isinstance(module, LlamaRMSNorm):
+        kind = kinds.get(type(module).__name__)
+        if kind == "norm":
             module.__class__ = FusedRMSNorm
             module._kernel = fns["rms_norm"]
-        elif isinstance(module, LlamaMLP):
+        elif kind == "mlp":
             module.__class__ = FusedLlamaMLP
             module._kernel = fns["swiglu"]
-        elif isinstance(module, LlamaAttention):
+        elif kind == "attention":
             module.__class__ = FusedLlamaAttention
             module._rope, module._attention = fns["apply_rotary"], fns["attention"]
         else:
             continue
         swapped += 1
     if swapped == 0:
-        raise TypeError(f"apply_kernels: no Llama norm, MLP or attention modules in {type(model).__name__}")
+        raise TypeError(
+            f"apply_kernels: no norm, MLP or attention modules the kernels replace in {type(model).__name__}"
+        )
     model.canntrain_kernels = chosen
     return model
 

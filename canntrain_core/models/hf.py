@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig
-
 from canntrain_core.errors import BadInput
+from canntrain_core.models.classes import causal_lm_class, config_from_dict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # canntrain never downloads (DESIGN: no downloads at run time)
 
@@ -43,8 +42,9 @@ def hf_name(name: str) -> str:
     return name
 
 
-def read_config(directory: str | Path) -> LlamaConfig:
-    """``DIR/config.json`` as a LlamaConfig; an HFFormatError naming the file for anything else."""
+def read_config(directory: str | Path):
+    """``DIR/config.json`` as its family's transformers config (``model_type``); an HFFormatError naming the
+    file for anything else."""
     path = Path(directory) / "config.json"
     if not Path(directory).exists():
         raise HFFormatError(
@@ -60,16 +60,13 @@ def read_config(directory: str | Path) -> LlamaConfig:
         raise HFFormatError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(fields, dict):
         raise HFFormatError(f"{path}: expected a JSON object, got {type(fields).__name__}")
-    if fields.get("model_type") != "llama":
-        raise HFFormatError(f"{path}: model_type {fields.get('model_type')!r}; canntrain builds llama models")
-    config = LlamaConfig.from_dict(fields)
-    config._attn_implementation = "sdpa"
-    return config
+    try:
+        return config_from_dict(fields, str(path))
+    except BadInput as e:
+        raise HFFormatError(str(e)) from None
 
 
-def check_against_recipe(
-    config: LlamaConfig, preset_fields: dict[str, Any] | None, overrides: dict[str, Any], source: Path
-) -> None:
+def check_against_recipe(config, preset_fields: dict[str, Any] | None, overrides: dict[str, Any], source: Path) -> None:
     """With init_from the file defines the model: a preset set explicitly, or an override, that says
     otherwise is an error naming the field."""
     problems = []
@@ -100,19 +97,17 @@ _SHAPE_KEYS = {
 }
 
 
-def check_weights(config: LlamaConfig, directory: str | Path) -> None:
+def check_weights(config, directory: str | Path) -> None:
     """The safetensors in DIR are the tensors config.json describes, all of them, of the shapes it implies.
 
     A disagreement is named by its config key, once (``hidden_size`` wrong shows in 22 tensors of a
     2-layer model: one line says so); tensors the config does not use are named, not ignored. Reads
     the headers only; the model is built on ``meta``.
     """
-    from transformers import LlamaForCausalLM
-
     d = Path(directory)
     available = weight_files(d)
     with torch.device("meta"):
-        expected = {n: list(t.shape) for n, t in LlamaForCausalLM(config).state_dict().items()}
+        expected = {n: list(t.shape) for n, t in causal_lm_class(config)(config).state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     keys: dict[str, str] = {}
@@ -241,7 +236,7 @@ def _slice(p: torch.Tensor) -> str:
     return "[" + ", ".join(f"{o}:{o + n}" for n, o in zip(shape, offset)) + "]"
 
 
-def tokenizer_eos(directory: str | Path, config: LlamaConfig, tokenizer) -> int:
+def tokenizer_eos(directory: str | Path, config, tokenizer) -> int:
     """The EOS id of DIR's tokenizer: tokenizer_config.json's eos_token, else config.json's eos_token_id."""
     d = Path(directory)
     eos = None

@@ -8,8 +8,8 @@ and drops the rest. So a rank holds its shards plus one full parameter at a time
 the embedding: 32000 x 8192 x 4 B = 1 GiB for Llama-2 70B), and a model initialised under
 FSDP2 x TP2 on 4 ranks, or PP2, holds exactly what one process holds (same device type).
 
-The distributions are transformers' own for Llama: normal(0, initializer_range) for linear and
-embedding weights, ones for the RMSNorm weights.
+The distributions are transformers' own for its families: normal(0, initializer_range) for linear and
+embedding weights, zeros for biases, ones for the RMSNorm weights (Qwen3's per-head q/k norms too).
 """
 
 from __future__ import annotations
@@ -56,12 +56,11 @@ def init_weights(model: torch.nn.Module, config, seed: int, only=lambda name: Tr
 
 @torch.no_grad()
 def reset_buffers(model: torch.nn.Module, config, device: torch.device) -> None:
-    """Recompute the non-persistent buffers (RoPE frequencies) that ``to_empty`` left uninitialised."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    with torch.device(device):
-        fresh = dict(LlamaRotaryEmbedding(config).named_buffers())
+    """Recompute the non-persistent buffers (RoPE frequencies) that ``to_empty`` left uninitialised: each
+    family's rotary embedding module (transformers' ``...RotaryEmbedding``) rebuilt from the config."""
     for module in model.modules():
-        if isinstance(module, LlamaRotaryEmbedding):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            with torch.device(device):
+                fresh = dict(type(module)(config).named_buffers())
             for name, buf in module.named_buffers():
                 buf.copy_(fresh[name])

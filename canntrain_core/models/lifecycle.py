@@ -1,7 +1,8 @@
 """From a recipe to the right bytes on each device: the one sequence every trainer, notebook and
 benchmark builds a model for training through.
 
-1. build the transformers Llama on the ``meta`` device (shapes only: any size, no memory);
+1. build the family's transformers model (``canntrain_core/families/``) on the ``meta`` device (shapes
+   only: any size, no memory);
 2. route it through the recipe's kernels and wrap it as a CausalLM (the loss inside the root module);
 3. ``parallelize``: pipeline split, tensor parallel, recompute, compile, FSDP2 / DDP, still on meta;
 4. ``to_empty`` on the target device: each rank allocates only the shards it holds; a tied output
@@ -20,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from canntrain_core.models.classes import causal_lm_class
 from canntrain_core.models.fused import apply_kernels, loss_cross_entropy
 from canntrain_core.models.hf import load_weights
 from canntrain_core.models.init import init_weights, reset_buffers
 from canntrain_core.models.lm import CausalLM
-from canntrain_core.models.lora import apply_lora, is_adapter
+from canntrain_core.models.lora import apply_lora, has_adapters, is_adapter
 from canntrain_core.parallel import parallelize
 from canntrain_kernels.reference import plain_cross_entropy
 
@@ -34,14 +35,14 @@ from canntrain_kernels.reference import plain_cross_entropy
 @dataclass
 class BuiltModel:
     model: CausalLM
-    config: LlamaConfig
+    config: Any  # the family's transformers config
     schedule: Any  # the pipeline schedule under pipeline parallel, else None
     source: str  # where the weights came from, for the summary
     loaded: list[dict[str, Any]] = field(default_factory=list)  # init_from: this rank's tensors and slices
 
 
 def build_meta_model(
-    recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, head: str = "lm", trainable: bool = True
+    recipe, config, device: torch.device, mesh=None, dims=None, head: str = "lm", trainable: bool = True
 ):
     """Steps 1-3: the parallelized CausalLM on ``meta`` and its pipeline schedule (or None).
 
@@ -52,9 +53,9 @@ def build_meta_model(
     from canntrain_core.runtime.distributed import ParallelDims
 
     m = recipe.model
-    dims = dims or ParallelDims.from_recipe(recipe.distributed)
+    dims = dims or ParallelDims.from_recipe(recipe)
     with torch.device("meta"):
-        hf_model = LlamaForCausalLM(config)
+        hf_model = causal_lm_class(config)(config)
     if recipe.lora.enabled:
         apply_lora(hf_model, recipe.lora)
     cross_entropy = plain_cross_entropy
@@ -71,7 +72,7 @@ def build_meta_model(
     return model, schedule
 
 
-def tie_head(model: CausalLM, config: LlamaConfig) -> None:
+def tie_head(model: CausalLM, config) -> None:
     """Make the output head use the embedding's parameter when the config ties them.
 
     ``to_empty`` materializes each module's parameters on its own, so a tie made on ``meta`` is lost
@@ -86,7 +87,7 @@ def tie_head(model: CausalLM, config: LlamaConfig) -> None:
 
 def build_training_model(
     recipe,
-    config: LlamaConfig,
+    config,
     device: torch.device,
     mesh=None,
     dims=None,
@@ -97,7 +98,8 @@ def build_training_model(
     """Steps 1-5 above for ``recipe`` (its model, distributed and seed) on ``device``.
 
     ``fill=False`` skips step 5's weights (a resumed run loads every one of them from its checkpoint;
-    a LoRA run fills its base from ``model.init_from`` on resume too: its checkpoints hold adapters only).
+    a model with LoRA adapters fills its base from ``model.init_from`` regardless: its checkpoints hold
+    the adapters only).
     """
     m = recipe.model
     model, schedule = build_meta_model(recipe, config, device, mesh, dims, head, trainable)
@@ -106,7 +108,7 @@ def build_training_model(
         tie_head(model, config)
     fresh = is_adapter if head == "lm" else lambda n: is_adapter(n) or n.endswith("lm_head.weight")  # not in init_from
     loaded: list[dict[str, Any]] = []
-    if not fill:
+    if not fill and not has_adapters(model):  # an adapted model's checkpoints hold its adapters only
         source = "weights from the checkpoint it resumes"
     elif m.init_from:
         loaded = load_weights(model, m.init_from, skip=fresh)
@@ -120,7 +122,7 @@ def build_training_model(
 
 
 def build_frozen_model(
-    recipe, config: LlamaConfig, device: torch.device, mesh=None, dims=None, fill: bool = True, head: str = "lm"
+    recipe, config, device: torch.device, mesh=None, dims=None, fill: bool = True, head: str = "lm"
 ) -> CausalLM:
     """A model that only runs (DPO's and GRPO's reference, PPO's reference and reward model): laid out as the
     trained one, without gradients, in eval mode; ``fill`` and ``head`` as for :func:`build_training_model`."""

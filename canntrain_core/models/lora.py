@@ -46,6 +46,23 @@ def apply_lora(hf_model: torch.nn.Module, lora) -> None:
         p.requires_grad_(is_adapter(name))
 
 
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Whether ``model`` carries LoRA adapters: what trains, checkpoints and exports then is the adapters."""
+    return any(is_adapter(name) for name, _ in model.named_parameters())
+
+
+def adapter_summary(model: torch.nn.Module) -> str:
+    """ "rank R on q_proj, v_proj" from the adapters in ``model`` (peft's ``lora.Linear`` modules)."""
+    ranks, targets = set(), []
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "r"):
+            ranks.update(module.r.values())
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in targets:
+                targets.append(leaf)
+    return f"rank {', '.join(map(str, sorted(ranks)))} on {', '.join(targets)}"
+
+
 def trainable_summary(model: torch.nn.Module) -> str:
     """peft's ``print_trainable_parameters`` line (DTensor parameters counted whole)."""
     trainable, total = count_parameters(model, trainable_only=True), count_parameters(model)

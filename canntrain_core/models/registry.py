@@ -1,32 +1,34 @@
-"""Model presets built on transformers' Llama classes. Random init from a seed; nothing downloaded.
-
-The presets themselves are data in ``canntrain_core/sizing/presets.py``."""
+"""Model configs from presets (each family's transformers classes, ``canntrain_core/families/``) or from an
+init_from directory. Random init from a seed; nothing downloaded."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from canntrain_core.errors import BadInput
+from canntrain_core.families import family_of, family_of_preset
+from canntrain_core.models.classes import causal_lm_class, config_class
 from canntrain_core.sizing.presets import PRESETS, preset_fields
 
 
-def build_config(preset: str, overrides: dict[str, Any] | None = None, vocab_size: int | None = None) -> LlamaConfig:
-    """The transformers LlamaConfig of a preset, with recipe overrides applied.
+def build_config(preset: str, overrides: dict[str, Any] | None = None, vocab_size: int | None = None):
+    """The transformers config of a preset (its family's class), with recipe overrides applied.
 
     ``vocab_size`` (the tokenizer's) wins over the preset's, unless overrides set it.
     """
     fields = preset_fields(preset, overrides, vocab_size)
+    cls = config_class(family_of_preset(preset))
     for key in overrides or {}:
-        if not hasattr(LlamaConfig(), key):
-            raise KeyError(f"model.overrides.{key}: not a LlamaConfig field")
-    config = LlamaConfig(**fields)
+        if not hasattr(cls(), key):
+            raise KeyError(f"model.overrides.{key}: not a {cls.__name__} field")
+    config = cls(**fields)
     config._attn_implementation = "sdpa"
     return config
 
 
-def model_config(m, vocab_size: int | None = None) -> LlamaConfig:
+def model_config(m, vocab_size: int | None = None):
     """The architecture a recipe's ``model`` section describes: ``model.init_from``'s config.json
     (checked against a preset set explicitly, against ``model.overrides`` and against its tensors), else the preset with
     overrides and the tokenizer's ``vocab_size``."""
@@ -36,6 +38,9 @@ def model_config(m, vocab_size: int | None = None) -> LlamaConfig:
         from canntrain_core.models.hf import check_against_recipe, check_weights, read_config
 
         config = read_config(m.init_from)
+        family = family_of(config).name
+        if m.type is not None and m.type != family:
+            raise BadInput(f"model.type={m.type}, but {Path(m.init_from) / 'config.json'} holds a {family} model")
         preset = PRESETS[m.preset] if "preset" in m.model_fields_set else None
         check_against_recipe(config, preset, m.overrides, Path(m.init_from))
         check_weights(config, m.init_from)  # the safetensors are what config.json says
@@ -49,18 +54,18 @@ def build_model(
     vocab_size: int | None = None,
     seed: int = 0,
     device: str | torch.device = "cpu",
-) -> LlamaForCausalLM:
-    """A transformers-initialised Llama of a preset on one device, for kernel tests and as the
+) -> torch.nn.Module:
+    """A transformers-initialised model of a preset on one device, for kernel tests and as the
     transformers baseline in benchmarks. Training builds through ``models.lifecycle`` instead (on
     meta, sharded, then each rank fills its own part). ``device="meta"`` builds the shape only."""
     config = build_config(preset, overrides, vocab_size)
     if torch.device(device).type == "meta":
         with torch.device("meta"):
-            return LlamaForCausalLM(config)
+            return causal_lm_class(config)(config)
     # Seed a private generator-free block so model init never depends on earlier RNG use.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = causal_lm_class(config)(config)
     return model.to(device)
 
 
@@ -72,3 +77,11 @@ def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = False, t
         emb = model.get_input_embeddings()
         n -= emb.weight.numel()
     return n
+
+
+def check_trainable(config, seq_length: int) -> None:
+    """A configuration of its family that canntrain does not build (Mistral's sliding window shorter than the
+    sequence, ...): a BadInput in one line naming the config key."""
+    why = family_of(config).unsupported(config, seq_length)
+    if why:
+        raise BadInput(f"model ({family_of(config).name}): {why}")

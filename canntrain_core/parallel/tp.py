@@ -1,8 +1,11 @@
-"""Tensor parallelism (Megatron style) on the Llama decoder layers, with optional sequence parallelism.
+"""Tensor parallelism (Megatron style) on the decoder layers, with optional sequence parallelism.
 
-Column-parallel q/k/v and gate/up projections, row-parallel o and down projections: each layer
-all-reduces after attention and after the MLP. Heads are split across the `tp` ranks
-(transformers' attention infers the local head count from the projection width).
+Column-parallel q/k/v and gate/up projections (their biases, Qwen2's, split with them), row-parallel o and
+down projections: each layer all-reduces after attention and after the MLP. Heads are split across the `tp`
+ranks (transformers' attention infers the local head count from the projection width). Every family of
+``canntrain_core/families/`` names its layers as Llama does; a norm applied per head (Qwen3's q_norm and
+k_norm, ``Family.head_norms``) sees only its rank's heads, so its weight is replicated over tp and its
+gradient summed over it (torch's SequenceParallel style, the split being the heads' dimension).
 
 Sequence parallel (``distributed.sequence_parallel``, Megatron's SP): between those regions the
 activations stay split along the sequence, so the norms and residual adds run on 1/tp of the
@@ -24,6 +27,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from canntrain_core.families import family_of
 
 LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
@@ -60,10 +65,17 @@ def _sequence_parallel_layer_plan() -> dict:
     }
 
 
+def _head_norm_plan(config) -> dict:
+    """The family's per-head norms: their input [batch, seq, local heads, head_dim] is split over the heads."""
+    return {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in family_of(config).head_norms}
+
+
 def apply_tp(model, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    head_norms = _head_norm_plan(model.config)
     if not sequence_parallel:
         for layer in model.layers():
-            parallelize_module(layer, tp_mesh, {name: style() for name, style in LAYER_PLAN.items()})
+            plan = {name: style() for name, style in LAYER_PLAN.items()}
+            parallelize_module(layer, tp_mesh, {**plan, **head_norms})
         return
     m = model.model
     if m.embed_tokens is not None:  # replicated embedding; its output is split along the sequence
@@ -75,4 +87,4 @@ def apply_tp(model, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> Non
     if m.norm is not None:  # the final norm on the last pipeline stage; CausalLM gathers its output
         parallelize_module(m.norm, tp_mesh, SequenceParallel())
     for layer in model.layers():
-        parallelize_module(layer, tp_mesh, _sequence_parallel_layer_plan())
+        parallelize_module(layer, tp_mesh, {**_sequence_parallel_layer_plan(), **_head_norm_plan(model.config)})

@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from canntrain_core.recipe import DistributedConfig, RecipeError
+from canntrain_core.recipe import DistributedConfig, Recipe, RecipeError
+from canntrain_core.sizing.layout import Layout
 from canntrain_core.runtime.accelerator import Accelerator
 
 
@@ -27,15 +28,20 @@ class ParallelDims:
     tp: int
 
     @classmethod
-    def from_recipe(cls, d: DistributedConfig) -> "ParallelDims":
-        shard = d.data_parallel_size if d.zero_optimization > 0 else 1
+    def from_layout(cls, layout: Layout) -> "ParallelDims":
+        """The mesh of ``layout`` (``Layout.from_recipe``: the one reading of a recipe's sizes): data parallel
+        is FSDP2's ``dp_shard`` or DDP's ``dp_replicate``, as ``Layout.dp_shard`` says."""
         return cls(
-            pp=d.pipeline_parallel_size,
-            dp_replicate=d.data_parallel_size // shard,
-            dp_shard=shard,
-            cp=d.context_parallel_size,
-            tp=d.tensor_parallel_size,
+            pp=layout.pp,
+            dp_replicate=layout.dp // layout.dp_shard,
+            dp_shard=layout.dp_shard,
+            cp=layout.cp,
+            tp=layout.tp,
         )
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> "ParallelDims":
+        return cls.from_layout(Layout.from_recipe(recipe))
 
     @property
     def world_size(self) -> int:

@@ -106,7 +106,12 @@ def _trainable(shape: ModelShape, s: TrainSetup, matrices: list[tuple[str, int, 
     """Per-rank element counts of the trainable tensors of one block, in registration order."""
     if s.lora is not None:
         return [s.lora.rank * (o + i) // s.tp for name, o, i in matrices if name in s.lora.targets]
-    return [o * i // s.tp for _, o, i in matrices] + [shape.layer_vectors()]
+    return [o * i // s.tp for _, o, i in matrices] + [_vectors_per_rank(shape, s.tp)]
+
+
+def _vectors_per_rank(shape: ModelShape, tp: int) -> int:
+    whole, split = shape.layer_vectors_split()
+    return whole + split // tp
 
 
 def estimate(shape: ModelShape, s: TrainSetup, fragmentation: float = FRAGMENTATION) -> MemoryEstimate:
@@ -130,7 +135,7 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
         experts = [m for m in matrices if m not in dense]
         matrices = dense + experts[: len(experts) // s.ep]
     # ---- element counts per rank, before ZeRO
-    layer_elems = sum(o * i for _, o, i in matrices) // tp + shape.layer_vectors()
+    layer_elems = sum(o * i for _, o, i in matrices) // tp + _vectors_per_rank(shape, tp)
     vtp = tp if s.vocab_parallel else 1
     emb = shape.embedding_params() // vtp if st.embedding else 0
     head = 0

@@ -61,6 +61,25 @@ class Layout:
         )
 
     @property
+    def world_size(self) -> int:
+        """Processes of the trained model: tp x pp x dp x cp (expert parallel borrows from dp x cp)."""
+        return self.tp * self.pp * self.dp * self.cp
+
+    def size_problem(self, world_size: int | None = None) -> str | None:
+        """Why these sizes do not multiply up (to ``world_size``, when given), or None."""
+        if world_size is not None and self.world_size != world_size:
+            return (
+                f"world_size={world_size} but tensor_parallel_size({self.tp}) x pipeline_parallel_size({self.pp}) x "
+                f"data_parallel_size({self.dp}) x context_parallel_size({self.cp}) = {self.world_size}"
+            )
+        if (self.dp * self.cp) % self.ep:
+            return (
+                f"expert_parallel_size={self.ep} must divide data_parallel_size x context_parallel_size = "
+                f"{self.dp * self.cp}"
+            )
+        return None
+
+    @property
     def fsdp(self) -> bool:
         """Data parallel by FSDP2 (zero_optimization 1-3 over more than one rank)."""
         return self.zero > 0 and self.dp > 1

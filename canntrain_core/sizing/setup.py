@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from canntrain_core.sizing.layout import Layout
+
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_LEVELS: tuple[str, ...] = ("none", "selective", "full")
 
@@ -62,12 +64,18 @@ class TrainSetup:
             raise ValueError(f"precision must be bf16, fp16 or fp32 (got {self.precision!r})")
         if self.weights not in ("amp", "half"):
             raise ValueError(f"weights must be 'amp' or 'half' (got {self.weights!r})")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"expert parallel size {self.ep} must divide dp x cp = {self.dp * self.cp}")
+        problem = self.layout.size_problem()
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def layout(self) -> Layout:
+        """The parallel layout of this setup (what the validator checks and the mesh is built from)."""
+        return Layout.from_setup(self)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
+        return self.layout.world_size
 
     @property
     def microbatches(self) -> int:
@@ -83,25 +91,26 @@ class TrainSetup:
 
 
 def setup_from_recipe(recipe: Any, **extra: Any) -> TrainSetup:
-    """The TrainSetup of a validated :class:`canntrain_core.recipe.Recipe`; ``extra`` sets the other knobs."""
-    d, m = recipe.distributed, recipe.model
+    """The TrainSetup of a validated :class:`canntrain_core.recipe.Recipe`; ``extra`` sets the other knobs.
+    The parallel sizes are the recipe's :class:`~canntrain_core.sizing.layout.Layout`."""
+    d, m, L = recipe.distributed, recipe.model, Layout.from_recipe(recipe)
     fields: dict[str, Any] = dict(
         precision=m.precision,
         micro_batch=recipe.data.batch_size,
         seq_length=recipe.data.seq_length,
-        tp=d.tensor_parallel_size,
-        pp=d.pipeline_parallel_size,
-        dp=d.data_parallel_size,
-        cp=d.context_parallel_size,
-        ep=d.expert_parallel_size,
-        zero=d.zero_optimization,
+        tp=L.tp,
+        pp=L.pp,
+        dp=L.dp,
+        cp=L.cp,
+        ep=L.ep,
+        zero=L.zero,
         recompute=m.activation_checkpointing,
-        offload_optimizer=recipe.optim.offload_optimizer,
+        offload_optimizer=L.offload_optimizer,
         grad_accum=recipe.optim.grad_accum_steps,
         num_microbatches=d.num_microbatches,
         pipeline_schedule=d.pipeline_schedule,
         # What the trainer does: SP when the recipe asks; embedding and head stay replicated.
-        sequence_parallel=d.sequence_parallel,
+        sequence_parallel=L.sequence_parallel,
         vocab_parallel=False,
         lora=LoraSetup(recipe.lora.rank, tuple(recipe.lora.target_modules)) if recipe.lora.enabled else None,
     )

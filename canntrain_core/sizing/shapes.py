@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from canntrain_core.families import FAMILIES, PRESET_FAMILY, Family, family_of
 from canntrain_core.sizing.presets import PRESETS, preset_fields
 
 ModelKind = Literal["llama", "gpt", "moe"]
@@ -38,12 +39,17 @@ class ModelShape:
     experts_per_token: int = 1
     max_positions: int = 4096
     scalar_head: bool = False  # a reward model's or critic's one-row output projection instead of the vocabulary
+    family: str = "llama"  # canntrain_core/families/: the model code that builds it (llama kind)
+    explicit_head_dim: int = 0  # config.head_dim when it is not hidden / heads (Qwen3's small sizes); 0: derived
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    o_bias: bool = False  # a bias on the output projection
+    qk_norm: bool = False  # an RMSNorm over each head's query and key (Qwen3)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model shape: {name} must be > 0 (got {getattr(self, name)})")
-        if self.hidden_size % self.num_heads:
+        if not self.explicit_head_dim and self.hidden_size % self.num_heads:
             raise ValueError(f"model shape: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -54,7 +60,12 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of the q projection (and the input of o): num_heads x head_dim."""
+        return self.num_heads * self.head_dim
 
     @property
     def out_rows(self) -> int:
@@ -79,8 +90,8 @@ class ModelShape:
     # ------------------------------------------------------------------ parameters
     def layer_matrices(self) -> list[tuple[str, int, int]]:
         """(name, out, in) of every weight matrix of one block, in the order torch registers them."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_size
-        attn = [("q_proj", h, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, h)]
+        h, i, kv, q = self.hidden_size, self.intermediate_size, self.kv_size, self.q_size
+        attn = [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)]
         if self.kind == "gpt":
             return attn + [("fc", i, h), ("proj", h, i)]
         mlp = [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
@@ -88,12 +99,18 @@ class ModelShape:
             return attn + [("router", self.num_experts, h)] + mlp * self.num_experts
         return attn + mlp
 
+    def layer_vectors_split(self) -> tuple[int, int]:
+        """Elements of one block's 1-D parameters as (replicated under TP, split over TP): norm weights (and
+        Qwen3's per-head q/k norms) and row-parallel biases are whole on every rank; the biases of the
+        column-parallel projections (q, k, v; gpt's fc) are split with their rows."""
+        h, kv, q = self.hidden_size, self.kv_size, self.q_size
+        if self.kind == "gpt":  # two LayerNorms (w+b), biases of o and proj; split: q, k, v and fc
+            return 4 * h + 2 * h, (q + 2 * kv) + self.intermediate_size
+        return 2 * h + h * self.o_bias + 2 * self.head_dim * self.qk_norm, (q + 2 * kv) * self.qkv_bias
+
     def layer_vectors(self) -> int:
         """Elements of one block's 1-D parameters (norm weights, biases)."""
-        h = self.hidden_size
-        if self.kind == "gpt":  # two LayerNorms (w+b) and the biases of q, k, v, o, fc, proj
-            return 4 * h + (h + 2 * self.kv_size + h) + self.intermediate_size + h
-        return 2 * h
+        return sum(self.layer_vectors_split())
 
     def layer_params(self) -> int:
         return sum(o * i for _, o, i in self.layer_matrices()) + self.layer_vectors()
@@ -172,12 +189,16 @@ def shape_from_preset(
         known = sorted([*PRESETS, *EXTRA_SHAPES])
         raise KeyError(f"{e.args[0]} (memory estimator knows: {', '.join(known)})") from None
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])  # as transformers does
-    return shape_of(SimpleNamespace(**fields))
+    return shape_of(SimpleNamespace(**fields), PRESET_FAMILY[preset])
 
 
-def shape_of(config: Any) -> ModelShape:
-    """The ModelShape of a transformers LlamaConfig (a preset's, or an init_from directory's), or of anything
-    with its attributes (read by name: no transformers import here)."""
+def shape_of(config: Any, family: Family | None = None) -> ModelShape:
+    """The ModelShape of a transformers config of one of canntrain's families (a preset's, or an init_from
+    directory's: its ``model_type`` names the family), or of anything with its attributes and the ``family``
+    given (read by name: no transformers import here)."""
+    family = family or family_of(config)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return ModelShape(
         "llama",
         config.hidden_size,
@@ -188,17 +209,23 @@ def shape_of(config: Any) -> ModelShape:
         config.vocab_size,
         tie_embeddings=bool(config.tie_word_embeddings),
         max_positions=config.max_position_embeddings,
+        family=family.name,
+        explicit_head_dim=head_dim if head_dim * heads != config.hidden_size else 0,
+        qkv_bias=family.qkv_bias(config),
+        o_bias=family.o_bias(config),
+        qk_norm=family.qk_norm,
     )
 
 
-def llama_overrides(shape: ModelShape) -> dict[str, Any]:
-    """LlamaConfig fields that rebuild ``shape`` through models/registry.build_model (for measuring)."""
+def rebuild_recipe(shape: ModelShape) -> dict[str, Any]:
+    """Recipe keys (``model.preset``, ``model.overrides``) that rebuild ``shape`` with its family's model code
+    (for measuring): the family's tiny preset with every shape field overridden."""
     if shape.kind != "llama":
         raise NotImplementedError(
-            f"measuring needs model code; only llama shapes can be built (this one is {shape.kind!r}); "
-            "use the analytic estimate"
+            f"measuring needs model code; only the families of canntrain_core/families/ can be built (this "
+            f"shape is {shape.kind!r}); use the analytic estimate"
         )
-    return dict(
+    overrides = dict(
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers,
@@ -208,3 +235,6 @@ def llama_overrides(shape: ModelShape) -> dict[str, Any]:
         tie_word_embeddings=shape.tie_embeddings,
         max_position_embeddings=shape.max_positions,
     )
+    if shape.explicit_head_dim:
+        overrides["head_dim"] = shape.explicit_head_dim
+    return {"model.preset": FAMILIES[shape.family].tiny, "model.overrides": overrides}

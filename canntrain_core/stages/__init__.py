@@ -1,9 +1,10 @@
 """The stage table: which trainer runs each ``train_mode``. The one place above the engine that names stages.
 
 ``pretrain`` is the engine's own :class:`~canntrain_core.train.trainer.Trainer`, ``sft`` adds its instruction
-data (``stages/sft.py``); ``reward`` and
-``dpo`` train on preference pairs (``rlhf/pairs.py``); ``grpo`` and ``ppo`` sample and score online
-(``rlhf/grpo.py``, ``rlhf/ppo.py``). The engine (``train/``) knows none of them by name: the command line,
+data (``stages/sft.py``); ``reward`` and ``dpo`` train on preference pairs (``stages/reward.py``,
+``stages/dpo.py``, sharing ``stages/pairs.py``); ``grpo`` and ``ppo`` sample and score online
+(``stages/grpo.py``, ``stages/ppo.py``, sharing ``stages/online.py`` and the frozen models of
+``stages/frozen.py``). The engine (``train/``) knows none of them by name: the command line,
 the layout runner and the notebooks build a run's trainer with :func:`make_trainer`.
 """
 
@@ -12,9 +13,10 @@ from __future__ import annotations
 import os
 
 from canntrain_core.recipe import Recipe
-from canntrain_core.rlhf.grpo import GRPOTrainer
-from canntrain_core.rlhf.pairs import DPOTrainer, RewardTrainer
-from canntrain_core.rlhf.ppo import PPOTrainer, ScorerService
+from canntrain_core.stages.grpo import GRPOTrainer
+from canntrain_core.stages.dpo import DPOTrainer
+from canntrain_core.stages.reward import RewardTrainer
+from canntrain_core.stages.ppo import PPOTrainer, ScorerService
 from canntrain_core.stages.sft import SFTTrainer
 from canntrain_core.train.trainer import Trainer
 
@@ -28,11 +30,18 @@ STAGES: dict[str, type[Trainer]] = {
 }
 
 
+def stage_of(recipe: Recipe) -> type[Trainer]:
+    """The trainer class of the recipe's stage: what the memory tools and the command line ask about it."""
+    return STAGES[recipe.train_mode]
+
+
 def make_trainer(recipe: Recipe, **kwargs) -> Trainer | ScorerService:
     """The trainer of the recipe's stage (``kwargs``: the Trainer's run_dir, resume_from, accelerator, progress).
 
-    PPO's separated placement (``rlhf.device_placement: separated``): the ranks past ``distributed.world_size``
-    hold the reference and the reward model and serve the trainer's ranks (:class:`ScorerService`)."""
-    if recipe.train_mode == "ppo" and int(os.environ.get("RANK", "0")) >= recipe.distributed.world_size:
+    A stage's extra ranks (PPO's separated placement, ``rlhf.device_placement: separated``), the ranks past
+    ``distributed.world_size``, hold the reference and the reward model and serve the trainer's ranks
+    (:class:`ScorerService`)."""
+    stage = stage_of(recipe)
+    if stage.extra_ranks(recipe) and int(os.environ.get("RANK", "0")) >= recipe.distributed.world_size:
         return ScorerService(recipe, **kwargs)
-    return STAGES[recipe.train_mode](recipe, **kwargs)
+    return stage(recipe, **kwargs)

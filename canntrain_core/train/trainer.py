@@ -29,8 +29,8 @@ from canntrain_core.errors import BadInput, OutOfMemory, RecipeError
 from canntrain_core.models.fused import check_kernels_fit
 from canntrain_core.models.hf import base_fingerprint
 from canntrain_core.models.lifecycle import build_training_model
-from canntrain_core.models.lora import trainable_summary
-from canntrain_core.models.registry import model_config
+from canntrain_core.models.lora import adapter_summary, has_adapters, trainable_summary
+from canntrain_core.models.registry import check_trainable, model_config
 from canntrain_core.parallel.clip import clip_grad_norm
 from canntrain_core.parallel.data_parallel import sync_gradients
 from canntrain_core.recipe import Recipe, save_resolved
@@ -120,25 +120,19 @@ class Trainer:
         self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
         check_layout(r, config, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
         check_kernels_fit(config, m)
+        check_trainable(config, r.data.seq_length)
         init_distributed(self.acc, d, self.extra_ranks(r))
         self.rank = rank()
-        self.dims = ParallelDims.from_recipe(d)
+        self.dims = ParallelDims.from_recipe(r)
         self.mesh = self.dims.build_mesh(self.acc.type)
         self.run_dir = Path(from_rank0(str(run_dir or default_run_dir(r))))
         self.ckpt_root = self.run_dir / "checkpoints"
         self.progress = progress and self.rank == 0
         # Rank 0 inspects the run directory (and hashes the checkpoint once); every rank gets its
         # answer, and no rank goes on before it has one, so nothing is written before the check.
-        found = None
-        if self.rank == 0:
-            try:
-                found = self._resume_path(resume_from if resume_from is not None else r.resume_from)
-            except BadInput as e:  # every rank raises it, none waits for the others forever
-                found = e
-        found = from_rank0(found)
-        if isinstance(found, Exception):
-            raise found
-        resume_path = found
+        resume_path = self._on_rank0(
+            lambda: self._resume_path(resume_from if resume_from is not None else r.resume_from)
+        )
 
         seed_everything(r.experiment.seed)
         self.dp = dp_coordinates(self.mesh, self.dims)  # (data-parallel rank, size)
@@ -155,17 +149,20 @@ class Trainer:
             r.optim.max_steps = steps
         if not m.init_from:  # the trained tokenizer's EOS, for generate() and an exported model
             config.bos_token_id, config.eos_token_id = None, self.data.eos_id
-        # a LoRA checkpoint holds the adapters only: its base comes from init_from on resume too
-        built = self.build_model(config, fill=resume_path is None or r.lora.enabled)
+        built = self.build_model(config, fill=resume_path is None)
         self.model, self.schedule = built.model, built.schedule
+        # an adapted model (LoRA) checkpoints its adapters only; they name the base they adapt
+        self.adapters_only = has_adapters(self.model)
+        if resume_path is not None and self.adapters_only:
+            self._on_rank0(lambda: check_base(resume_path, m.init_from, "resume", self.lora_base_fingerprint))
         self.loaded_from = built.loaded  # init_from: this rank's tensors and the slices it read
         if self.rank == 0 and r.optim.offload_optimizer and self.acc.type == "cpu":
             print(
                 "optim.offload_optimizer: FSDP2's CPUOffloadPolicy is applied, but on this CPU-only host "
                 "parameters, gradients and optimizer states are in host memory already: a no-op here"
             )
-        if self.rank == 0 and r.lora.enabled:
-            print(f"LoRA rank {r.lora.rank} on {', '.join(r.lora.target_modules)}: {trainable_summary(self.model)}")
+        if self.rank == 0 and self.adapters_only:
+            print(f"LoRA {adapter_summary(self.model)}: {trainable_summary(self.model)}")
         if self.rank == 0 and m.init_from and resume_path is None:
             given = self.data.info["tokenizer_source"] == "given"
             print(
@@ -207,6 +204,20 @@ class Trainer:
                     f"(data.on_bad_record={r.data.on_bad_record}); see {self.run_dir / 'data.json'}"
                 )
 
+    def _on_rank0(self, work):
+        """``work()`` on rank 0, its answer on every rank; a BadInput it raises is raised on every rank
+        (none waits for the others forever)."""
+        found = None
+        if self.rank == 0:
+            try:
+                found = work()
+            except BadInput as e:
+                found = e
+        found = from_rank0(found)
+        if isinstance(found, Exception):
+            raise found
+        return found
+
     # ------------------------------------------------------------------ what a stage builds
     @staticmethod
     def extra_ranks(recipe: Recipe) -> int:
@@ -217,6 +228,17 @@ class Trainer:
         """The models this stage holds, by role (the alignment stages add their frozen ones): what the memory
         tools measure."""
         return {"model": self.model}
+
+    @staticmethod
+    def roles(recipe: Recipe) -> list[tuple[str, bool, bool]]:
+        """(name as :meth:`models` gives it, trains, scalar head) of each model a rank of ``recipe`` holds:
+        what ``memory.alignment`` estimates, before anything is built."""
+        return [("model", True, False)]
+
+    @staticmethod
+    def rows(recipe: Recipe) -> tuple[int, int]:
+        """(rows of one optimizer update, rows one rollout samples) per rank: the memory estimate's batch."""
+        return recipe.data.batch_size, 0
 
     def extra_state(self) -> dict:
         """What a stage adds to each checkpoint's trainer state (PPO: its adaptive KL coefficient)."""
@@ -230,6 +252,7 @@ class Trainer:
     language_model = ""  # where the language model sits in this stage's model state (PPO: its "actor.")
     not_a_language_model: str | None = None  # why export and generate refuse this stage's checkpoints
     formats_conversations = False  # its records are conversations: the chat template applies
+    plot = "loss"  # the picture ``canntrain train`` draws of a run: plots/loss.png, or alignment.png
     token_weighted = False  # its rows train unequal numbers of tokens: losses are means over trained tokens
 
     def build_data(self, config):
@@ -250,7 +273,7 @@ class Trainer:
         return args
 
     def build_model(self, config, fill: bool):
-        """The model this stage trains (a CausalLM; rlhf/ stages add the ones they only run)."""
+        """The model this stage trains (a CausalLM; the alignment stages add the ones they only run)."""
         return build_training_model(self.recipe, config, self.acc.device, self.mesh, self.dims, fill=fill)
 
     # ------------------------------------------------------------------ the loop
@@ -480,7 +503,7 @@ class Trainer:
                 ),
             },
             keep_last=self.recipe.logging.keep_last,
-            trainable_only=self.recipe.lora.enabled,
+            trainable_only=self.adapters_only,
         )
 
     def tokenizer_metadata(self) -> dict[str, str]:
@@ -507,7 +530,7 @@ class Trainer:
     def _base_files(self) -> dict[str, str]:
         """A LoRA checkpoint holds adapters only: it names the base they adapt by its fingerprint, which
         ``--merge`` and a resume check against what is at ``model.init_from`` then."""
-        if not self.recipe.lora.enabled:
+        if not self.adapters_only:
             return {}
         return {BASE_FINGERPRINT: json.dumps(self.lora_base_fingerprint, indent=1)} if self.rank == 0 else {}
 
@@ -523,7 +546,7 @@ class Trainer:
             self.model,
             self.optimizer,
             verify=False,  # verified above
-            trainable_only=self.recipe.lora.enabled,
+            trainable_only=self.adapters_only,
         )
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
@@ -553,8 +576,6 @@ class Trainer:
         else:
             path = Path(resume_from)
             checkpoint.verify_checkpoint(path)  # a bad explicit path is an error, not a silent fresh start
-        if path is not None and self.recipe.lora.enabled:
-            check_base(path, self.recipe.model.init_from, "resume", self.lora_base_fingerprint)
         if path is not None:  # refuses a recipe the checkpoint cannot load, before anything is touched
             for line in check_resume(
                 str(path),

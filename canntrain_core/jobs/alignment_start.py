@@ -22,18 +22,18 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "cookbook" / "llama" / "configs"
+import canntrain_core
+import canntrain_kernels
 
 
-def code_version() -> str:
-    """A hash of canntrain's source and recipes: a cached start or run is only reused by the code that made it."""
+def code_version(*recipes: Path) -> str:
+    """A hash of canntrain's source (and of ``recipes``' text): a cached start or run is only reused by the code
+    that made it."""
     import hashlib
 
     h = hashlib.sha256()
-    for p in sorted(
-        [*(ROOT / "canntrain_core").rglob("*.py"), *(ROOT / "canntrain_kernels").rglob("*.py"), *CONFIGS.glob("*.yaml")]
-    ):
+    packages = [Path(canntrain_core.__file__).parent, Path(canntrain_kernels.__file__).parent]
+    for p in [*sorted(p for root in packages for p in root.rglob("*.py")), *recipes]:
         h.update(p.read_bytes())
     return h.hexdigest()[:8]
 
@@ -47,25 +47,37 @@ class Start:
 
 
 def tiny_start(
-    workdir: str | Path, pretrain_steps: int = 60, sft_steps: int = 100, seed: int = 0, cache_dir: str | None = None
+    workdir: str | Path,
+    configs: str | Path,
+    pretrain_steps: int = 60,
+    sft_steps: int = 100,
+    seed: int = 0,
+    cache_dir: str | None = None,
 ) -> Start:
-    """The fine-tuned model and the data (see the module docstring); ``cache_dir``: the tokenized corpus's."""
+    """The fine-tuned model and the data (see the module docstring), trained with ``configs``' (the cookbook's
+    recipe folder) tiny_pretrain.yaml and tiny_sft.yaml; ``cache_dir``: the tokenized corpus's."""
     from canntrain_core.checkpoint.export import export_hf
     from canntrain_core.finetune.data import write_jsonl
     from canntrain_core.finetune.tasks import task_records
     from canntrain_core.recipe import load_recipe
-    from canntrain_core.rlhf.data import preference_records
+    from canntrain_core.finetune.alignment_data import preference_records
     from canntrain_core.stages import make_trainer
     from canntrain_core.train.trainer import Trainer
 
+    from canntrain_core.errors import BadInput
+
+    recipes = Path(configs) / "tiny_pretrain.yaml", Path(configs) / "tiny_sft.yaml"
+    for path in recipes:
+        if not path.is_file():
+            raise BadInput(f"{path}: no such recipe; the tiny start trains the cookbook's tiny_pretrain and tiny_sft")
     settings = {"pretrain_steps": pretrain_steps, "sft_steps": sft_steps, "seed": seed}
-    root = Path(workdir).resolve() / f"start-{pretrain_steps}-{sft_steps}-{seed}-{code_version()}"
+    root = Path(workdir).resolve() / f"start-{pretrain_steps}-{sft_steps}-{seed}-{code_version(*recipes)}"
     done = Start(root / "sft_hf", root / "prompts.jsonl", root / "pairs.jsonl", root / "sft")
     if (root / "settings.json").is_file():  # written last: a complete start
         return done
     shutil.rmtree(root, ignore_errors=True)
     pre = load_recipe(
-        CONFIGS / "tiny_pretrain.yaml",
+        recipes[0],
         {
             "data.max_bytes": 300_000,
             "data.seq_length": 64,
@@ -84,7 +96,7 @@ def tiny_start(
     base = export_hf(root / "pretrain", root / "pretrained_hf").out
     tasks = write_jsonl(root / "tasks.jsonl", task_records(4000, seed=seed, kinds=("sort", "upper")))
     sft = load_recipe(
-        CONFIGS / "tiny_sft.yaml",
+        recipes[1],
         {
             "model.init_from": str(base),
             "data.source": str(tasks),

@@ -1,14 +1,6 @@
-"""Offline alignment on preference pairs ``{"prompt", "chosen", "rejected"}``: the reward model and DPO.
-
-Both run the pretraining loop (``Trainer.fit``) on rows holding a pair; only the loss differs:
-
-- ``train_mode: reward``: a scalar head on the Llama backbone (the fine-tuned model, ``model.init_from``)
-  scores the last token of each answer; loss -log sigmoid(r_chosen - r_rejected); the held-out pair
-  accuracy ``val_accuracy`` (TRL's RewardTrainer ``eval_accuracy``) is the share of pairs it orders right;
-- ``train_mode: dpo``: no reward model: the policy's and a frozen reference's log-probabilities of each
-  answer give DPO's sigmoid loss (``rlhf.beta``, ``rlhf.label_smoothing``); ``val_rewards/accuracies``
-  (TRL's DPOTrainer ``eval_rewards/accuracies``) is the share of held-out pairs whose implicit reward
-  margin is positive.
+"""What the offline alignment stages share (``stages/reward.py``, ``stages/dpo.py``): preference pairs
+``{"prompt", "chosen", "rejected"}`` as rows, and the engine's loop (``Trainer.fit``) over them; each stage
+gives its pair loss and the held-out accuracy it reports.
 """
 
 from __future__ import annotations
@@ -16,12 +8,9 @@ from __future__ import annotations
 import torch
 
 from canntrain_core.data.cache import DataError
-from canntrain_core.data.sampler import ResumableSampler
-from canntrain_core.losses import dpo_loss, pairwise_reward_loss
-from canntrain_core.models.lifecycle import build_frozen_model, build_training_model
-from canntrain_core.models.rollout import layout, token_logprobs
-from canntrain_core.rlhf.data import encode_answer, read_pairs
-from canntrain_core.rlhf.frozen import sequence_scores
+from canntrain_core.data.sampler import ResumableSampler, val_share
+from canntrain_core.models.rollout import layout
+from canntrain_core.finetune.alignment_data import encode_answer, read_pairs
 from canntrain_core.train.trainer import Trainer
 from canntrain_core.data.tokenizer import TokenText
 
@@ -31,7 +20,7 @@ class PairBundle(TokenText):
 
     def __init__(self, cfg, seed, dp_rank, dp_size, tokenizer, vocab_size=None, chat_template=None):
         from canntrain_core.finetune.format import ChatFormat
-        from canntrain_core.rlhf.data import _is_val
+        from canntrain_core.finetune.alignment_data import _is_val
 
         if tokenizer is None:
             raise DataError(
@@ -80,17 +69,19 @@ class PairBundle(TokenText):
         return DataLoader(self.train, batch_size=self.cfg.batch_size, sampler=self.sampler, drop_last=True)
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
-        total = min(n_samples, len(self.val)) // (batch_size * dp_size) * batch_size * dp_size
-        mine = list(range(dp_rank, total, dp_size))
-        return [
-            {k: torch.stack([self.val[i][k] for i in mine[j : j + batch_size]]) for k in ("ids", "mask")}
-            for j in range(0, len(mine), batch_size)
-        ]
+        share = val_share(
+            len(self.val), n_samples, batch_size, dp_rank, dp_size, "raise data.val_fraction or lower data.batch_size"
+        )
+        return [{k: torch.stack([self.val[i][k] for i in batch]) for k in ("ids", "mask")} for batch in share]
 
 
 class PairTrainer(Trainer):
     formats_conversations = True
     accuracy_key = "val_accuracy"  # the held-out share of pairs ordered right, by TRL's name for the stage
+
+    @staticmethod
+    def rows(recipe) -> tuple[int, int]:
+        return 2 * recipe.data.batch_size, 0  # a pair is two rows
 
     def build_data(self, config):
         r = self.recipe
@@ -121,46 +112,3 @@ class PairTrainer(Trainer):
 
     def pair_loss(self, b) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
-
-
-class RewardTrainer(PairTrainer):
-    train_modes = ("reward",)
-    not_a_language_model = (
-        "a reward model scores answers with a one-row head, it is not a language model; "
-        "PPO reads its checkpoint as it is (rlhf.reward_model)"
-    )
-
-    def models(self) -> dict:
-        return {"reward": self.model}
-
-    def build_model(self, config, fill: bool):
-        return build_training_model(
-            self.recipe, config, self.acc.device, self.mesh, self.dims, fill=fill, head="scalar"
-        )
-
-    def pair_loss(self, b):
-        ids, mask = b["ids"].to(self.acc.device), b["mask"].to(self.acc.device)
-        scores = sequence_scores(self.model, ids.flatten(0, 1), mask.flatten(0, 1)).view(-1, 2)
-        return pairwise_reward_loss(scores[:, 0], scores[:, 1]).mean(), (scores[:, 0] > scores[:, 1]).float().mean()
-
-
-class DPOTrainer(PairTrainer):
-    train_modes = ("dpo",)
-    accuracy_key = "val_rewards/accuracies"
-
-    def models(self) -> dict:
-        return {"policy": self.model, "reference": self.reference}
-
-    def build_model(self, config, fill: bool):
-        built = super().build_model(config, fill)
-        self.reference = build_frozen_model(self.recipe, config, self.acc.device, self.mesh, self.dims)
-        return built
-
-    def pair_loss(self, b):
-        ids, mask = b["ids"].to(self.acc.device).flatten(0, 1), b["mask"].to(self.acc.device).flatten(0, 1)
-        logp = (token_logprobs(self.model, ids) * mask).sum(-1).view(-1, 2)
-        with torch.no_grad():
-            ref = (token_logprobs(self.reference, ids) * mask).sum(-1).view(-1, 2)
-        h = self.recipe.rlhf
-        loss, margin = dpo_loss(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], h.beta, h.label_smoothing)
-        return loss.mean(), (margin > 0).float().mean()

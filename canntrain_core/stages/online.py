@@ -14,13 +14,19 @@ from tqdm.auto import tqdm
 from canntrain_core.finetune.tasks import partial_score, score
 from canntrain_core.models.rollout import sample
 from canntrain_core.parallel.clip import clip_grad_norm
-from canntrain_core.rlhf.data import build_prompt_data
+from canntrain_core.finetune.alignment_data import build_prompt_data
 from canntrain_core.train.trainer import Trainer
 
 
 class OnlineTrainer(Trainer):
     formats_conversations = True
     policy: torch.nn.Module  # the model that generates (set by the stage's build_model)
+    plot = "alignment"
+
+    @staticmethod
+    def rows(recipe) -> tuple[int, int]:
+        h = recipe.rlhf
+        return h.mini_batch_size, recipe.data.batch_size * h.group_size
 
     def build_data(self, config):
         r = self.recipe
@@ -124,7 +130,8 @@ class OnlineTrainer(Trainer):
 @torch.no_grad()
 def heldout_scores(policy, data, n: int, max_new: int) -> dict[str, float]:
     """``val_score`` (mean true score) and ``val_exact_match`` of ``policy``'s greedy answers to the first ``n``
-    held-out prompts of a :class:`~canntrain_core.rlhf.data.PromptBundle`: any policy, any stage (DPO's too)."""
+    held-out prompts of a :class:`~canntrain_core.finetune.alignment_data.PromptBundle`: any policy, any stage
+    (DPO's too)."""
     prompts = data.val[:n]
     ro = sample(policy, [p for p, _ in prompts], 1, max_new, data.eos_id, 0.0)
     answers = [data.answer_text(r) for r in ro.responses]

@@ -10,7 +10,6 @@ A bad line is named by file and line, or skipped and counted (``data.on_bad_reco
 
 from __future__ import annotations
 
-import json
 import random
 import string
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch
 
 from canntrain_core.data.cache import DataError
 from canntrain_core.finetune.format import ChatFormat
-from canntrain_core.finetune.records import BadRecord, Conversation, read_conversations
+from canntrain_core.finetune.records import BadRecord, Conversation, read_conversations, read_records
 from canntrain_core.finetune.tasks import KINDS, make_item, partial_score
 from canntrain_core.data.tokenizer import TokenText
 
@@ -34,33 +33,16 @@ class Pair:
 
 
 def read_pairs(path: str | Path, on_bad_record: str = "error") -> tuple[list[Pair], list[str]]:
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data.source: {path} does not exist (preference pairs are a .jsonl file)")
-    out, bad = [], []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                try:
-                    rec = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    raise BadRecord(f"not a JSON line ({e})") from None
-                if not isinstance(rec, dict) or not all(
-                    isinstance(rec.get(k), str) for k in ("prompt", "chosen", "rejected")
-                ):
-                    raise BadRecord("a preference pair needs strings 'prompt', 'chosen' and 'rejected'")
-                if not rec["chosen"].strip() or not rec["rejected"].strip():
-                    raise BadRecord("empty chosen or rejected answer")
-                out.append(Pair(f"{path.name}:{lineno}", rec["prompt"], rec["chosen"], rec["rejected"]))
-            except BadRecord as e:
-                if on_bad_record == "error":
-                    raise DataError(f"{path}, line {lineno}: {e} (or set data.on_bad_record=skip)") from None
-                bad.append(f"{path.name}:{lineno}: {e}")
-    if not out:
-        raise DataError(f"{path}: no usable preference pairs ({len(bad)} left out)")
-    return out, bad
+    """Every preference pair of a JSONL file, and "file:line: why" for each line left out (``read_records``)."""
+    return read_records(path, _pair, "preference pairs", on_bad_record)
+
+
+def _pair(name: str, rec: object) -> Pair:
+    if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("prompt", "chosen", "rejected")):
+        raise BadRecord("a preference pair needs strings 'prompt', 'chosen' and 'rejected'")
+    if not rec["chosen"].strip() or not rec["rejected"].strip():
+        raise BadRecord("empty chosen or rejected answer")
+    return Pair(name, rec["prompt"], rec["chosen"], rec["rejected"])
 
 
 def encode_answer(fmt: ChatFormat, prompt: str, answer: str) -> tuple[list[int], int]:

@@ -22,7 +22,7 @@ Metrics are named as verl names them (README, "Alignment"); the iteration's KL t
 ``actor/reward_kl_penalty`` (each response's mean over its tokens, averaged over responses), the
 coefficient that weighed it ``actor/reward_kl_penalty_coeff``.
 
-Where the reference and the reward model run is ``rlhf.device_placement`` (``rlhf.frozen``).
+Where the reference and the reward model run is ``rlhf.device_placement`` (``stages.frozen``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from canntrain_core.losses import (
 )
 from canntrain_core.models.lifecycle import BuiltModel, build_training_model
 from canntrain_core.models.rollout import token_logprobs, token_values
-from canntrain_core.rlhf.frozen import FrozenModels, RemoteFrozenModels, reward_checkpoint, serve
-from canntrain_core.rlhf.online import OnlineTrainer
+from canntrain_core.stages.frozen import FrozenModels, RemoteFrozenModels, reward_checkpoint, serve
+from canntrain_core.stages.online import OnlineTrainer
 
 KL_HORIZON = 10_000
 
@@ -87,6 +87,16 @@ class PPOTrainer(OnlineTrainer):
             )
         self.policy, self.critic, self.kl_coeff = actor.model, critic, h.kl_coeff
         return BuiltModel(ActorCritic(actor.model, critic), config, None, actor.source, actor.loaded)
+
+    @staticmethod
+    def roles(recipe) -> list[tuple[str, bool, bool]]:
+        h = recipe.rlhf
+        frozen = [("reference", False, False)] * (h.kl_coeff > 0) + [("reward", False, True)] * bool(h.reward_model)
+        return [("actor", True, False), ("critic", True, True)] + frozen
+
+    @staticmethod
+    def rows(recipe) -> tuple[int, int]:
+        return recipe.rlhf.mini_batch_size, recipe.data.batch_size  # one response per prompt
 
     def models(self) -> dict:
         """Every model this rank holds, by the names ``memory.alignment`` gives them."""

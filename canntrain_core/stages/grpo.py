@@ -20,7 +20,7 @@ import torch
 from canntrain_core.losses import aggregate, clipped_policy_loss, group_advantages, kl_penalty, masked_mean
 from canntrain_core.models.lifecycle import build_frozen_model
 from canntrain_core.models.rollout import token_logprobs
-from canntrain_core.rlhf.online import OnlineTrainer
+from canntrain_core.stages.online import OnlineTrainer
 
 
 class GRPOTrainer(OnlineTrainer):
@@ -35,6 +35,10 @@ class GRPOTrainer(OnlineTrainer):
 
     def models(self) -> dict:
         return {"policy": self.model, **({"reference": self.reference} if self.reference is not None else {})}
+
+    @staticmethod
+    def roles(recipe) -> list[tuple[str, bool, bool]]:
+        return [("policy", True, False)] + [("reference", False, False)] * (recipe.rlhf.kl_coeff > 0)
 
     def fit(self, stop_after: int | None = None):
         r, h = self.recipe, self.recipe.rlhf

@@ -1,0 +1,47 @@
+"""What a model family says about itself, as data: pure (no torch, no transformers), so the recipe schema, the
+memory estimator and the planner read it as well as the model builder, the TP plan and the kernels.
+
+A family names transformers' classes by their names; ``models/families.py`` resolves them. Everything that
+differs between families is a field here; code never branches on a family's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+# The shape of every family's tiny preset (a few million parameters: trains on two CPU cores in seconds).
+TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=4096,
+    max_position_embeddings=2048,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # also model.type in a recipe
+    model_types: tuple[str, ...]  # config.json's model_type values it reads
+    config_class: str  # transformers' configuration class
+    causal_lm_class: str  # transformers' ...ForCausalLM
+    presets: dict[str, dict[str, Any]]  # name -> config fields (public shapes, and a tiny-* one for CPU)
+    tiny: str  # the preset that trains on CPU in seconds (tests, notebooks, the memory measurement)
+    common: dict[str, Any]  # config fields every preset of the family shares
+    # Shape facts (the estimator's parameter and FLOP counts; config -> value, read by attribute name):
+    qkv_bias: Callable[[Any], bool] = lambda c: bool(getattr(c, "attention_bias", False))
+    o_bias: Callable[[Any], bool] = lambda c: bool(getattr(c, "attention_bias", False))
+    qk_norm: bool = False  # an RMSNorm over each head's query and key (Qwen3)
+    # Which of transformers' module classes the fused kernels replace (class name -> "norm", "mlp" or
+    # "attention"); a module left out keeps transformers' forward.
+    kernel_modules: dict[str, str] = field(default_factory=dict)
+    # TP: norms applied per attention head (their input is split over heads): their weights are replicated
+    # over tp and their gradients summed over it.
+    head_norms: tuple[str, ...] = ()
+    # config -> why canntrain cannot train this configuration of the family ('' when it can), one line
+    # naming the config key.
+    unsupported: Callable[[Any, int], str] = lambda config, seq_length: ""
