@@ -202,6 +202,9 @@ class DistributedConfig(_Section):
     # With tensor parallel: keep activations split along the sequence between TP regions
     # (Megatron's SP; norms and residuals on 1/tp of the tokens).
     sequence_parallel: bool = False
+    # With tensor parallel: the embedding and the output head split over the vocabulary, and the loss computed
+    # on each rank's slice of the logits (never the whole [tokens, vocab] on one rank).
+    vocab_parallel: bool = True
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     # Seconds a collective may wait before the job fails (instead of hanging).
     timeout_seconds: int = Field(600, gt=0)

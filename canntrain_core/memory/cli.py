@@ -69,9 +69,9 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.measure:
         from canntrain_core.memory.measure import measure_fake
 
-        # what the measurement harness can build: plain TP (no sequence/vocab parallel)
+        # what the measurement harness can build: TP without sequence parallel
         if setup.tp > 1:
-            setup = setup.but(sequence_parallel=False, vocab_parallel=False)
+            setup = setup.but(sequence_parallel=False)
         try:
             meas = measure_fake(shape, setup)
         except NotImplementedError as e:

@@ -92,6 +92,7 @@ def recipe_for(shape: ModelShape, s: TrainSetup):
             "distributed.data_parallel_size": s.dp,
             "distributed.zero_optimization": s.zero,
             "distributed.sequence_parallel": s.tp > 1 and s.sequence_parallel,
+            "distributed.vocab_parallel": s.vocab_parallel,
         },
     )
 
@@ -100,8 +101,6 @@ def _check_supported(s: TrainSetup) -> None:
     problems = []
     if s.pp > 1 or s.cp > 1 or s.ep > 1:
         problems.append("pipeline/context/expert parallel (pp, cp, ep must be 1)")
-    if s.tp > 1 and s.vocab_parallel:
-        problems.append("vocab parallel (the trainer keeps the vocabulary replicated: vocab_parallel=False)")
     if s.weights != "amp" or s.lora is not None or s.offload_optimizer:
         problems.append("half weights, LoRA and offload")
     if s.dp > 1 and s.zero == 0:

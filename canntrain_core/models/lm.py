@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from canntrain_core.parallel.vocab import vocab_parallel_cross_entropy, vocab_sharded
 from canntrain_kernels.reference import plain_cross_entropy
 
 
@@ -79,7 +80,11 @@ class CausalLM(nn.Module):
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of final hidden states: the recipe's cross-entropy kernel, on every
         layout (a pipeline's schedule calls this as its loss function)."""
-        loss = self.cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        weight = self.lm_head.weight
+        if vocab_sharded(weight):  # TP with distributed.vocab_parallel: no rank builds the whole logits
+            loss = vocab_parallel_cross_entropy(h.flatten(0, 1), weight, targets.flatten())
+        else:
+            loss = self.cross_entropy(h.flatten(0, 1), weight, targets.flatten())
         if self.token_weight is not None:
             loss = loss * (targets != -100).sum() * self.token_weight
         return loss

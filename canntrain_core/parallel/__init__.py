@@ -22,7 +22,7 @@ def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool
     if dims.pp > 1:
         split_stage(model, mesh.get_local_rank("pp"), dims.pp)
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"], recipe.distributed.sequence_parallel)
+        apply_tp(model, mesh["tp"], recipe.distributed.sequence_parallel, recipe.distributed.vocab_parallel)
     apply_recompute(model, recipe.model.activation_checkpointing)
     if recipe.model.compile:
         for layer in model.layers():

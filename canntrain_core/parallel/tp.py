@@ -10,9 +10,12 @@ gradient summed over it (torch's SequenceParallel style, the split being the hea
 Sequence parallel (``distributed.sequence_parallel``, Megatron's SP): between those regions the
 activations stay split along the sequence, so the norms and residual adds run on 1/tp of the
 tokens and store 1/tp of the activations; each all-reduce becomes a reduce-scatter plus an
-all-gather (the same bytes). The embedding and output head stay replicated; the final hidden
-states are gathered before the loss (no loss parallelism: the head is small next to the layers
-for Llama's 32k vocabulary).
+all-gather (the same bytes); the final hidden states are gathered before the head.
+
+The embedding and the output head (``distributed.vocab_parallel``, on by default) are split over the
+vocabulary, and the loss is computed on each rank's slice of the logits (``parallel.vocab``): at Llama 3's
+128,256 or Qwen's 151,936 entries the head and its fp32 logits are a large share of a rank's memory.
+With ``vocab_parallel: false`` they stay replicated (every tp rank computes the whole loss).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from canntrain_core.families import family_of
+from canntrain_core.parallel.vocab import shard_embedding
 
 LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
@@ -70,15 +74,28 @@ def _head_norm_plan(config) -> dict:
     return {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in family_of(config).head_norms}
 
 
-def apply_tp(model, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+def apply_vocab_parallel(model, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """The embedding and the output head split over the vocabulary (rows): a rank looks up the ids in its rows
+    (the others' give zeros, summed over tp: split along the sequence under SP); the loss reads the head's rows
+    (``parallel.vocab``) and only a call for logits (evaluation, generation) gathers them."""
+    m = model.model
+    if m.embed_tokens is not None:
+        shard_embedding(m.embed_tokens, tp_mesh, sequence_parallel)
+    if model.lm_head is not None and model.lm_head.out_features % tp_mesh.size() == 0:  # not a one-row scalar head
+        parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+
+
+def apply_tp(model, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocab_parallel: bool = False) -> None:
     head_norms = _head_norm_plan(model.config)
+    if vocab_parallel:
+        apply_vocab_parallel(model, tp_mesh, sequence_parallel)
     if not sequence_parallel:
         for layer in model.layers():
             plan = {name: style() for name, style in LAYER_PLAN.items()}
             parallelize_module(layer, tp_mesh, {**plan, **head_norms})
         return
     m = model.model
-    if m.embed_tokens is not None:  # replicated embedding; its output is split along the sequence
+    if m.embed_tokens is not None and not vocab_parallel:  # replicated embedding; output split along the sequence
         parallelize_module(
             m.embed_tokens,
             tp_mesh,

@@ -20,6 +20,7 @@ class Layout:
     ep: int = 1
     zero: int = 0
     sequence_parallel: bool = False
+    vocab_parallel: bool = False  # with tp > 1: embedding, head and loss split over the vocabulary
     microbatches: int = 1  # per optimizer step: what a pipeline schedule splits the batch into
     offload_optimizer: bool = False
     precision: str = "fp32"
@@ -37,6 +38,7 @@ class Layout:
             ep=d.expert_parallel_size,
             zero=d.zero_optimization,
             sequence_parallel=d.sequence_parallel,
+            vocab_parallel=d.tensor_parallel_size > 1 and d.vocab_parallel,
             microbatches=d.num_microbatches or recipe.optim.grad_accum_steps,
             offload_optimizer=recipe.optim.offload_optimizer,
             precision=recipe.model.precision,
@@ -55,6 +57,7 @@ class Layout:
             ep=s.ep,
             zero=s.zero,
             sequence_parallel=s.tp > 1 and s.sequence_parallel,
+            vocab_parallel=s.tp > 1 and s.vocab_parallel,
             microbatches=s.microbatches,
             offload_optimizer=s.offload_optimizer,
             precision=s.precision,
@@ -151,6 +154,11 @@ def layout_problems(
         ):
             if n % L.tp:
                 out.append(f"distributed.tensor_parallel_size={L.tp} must divide the model's {n} {attr}")
+        if L.vocab_parallel and model.vocab_size % L.tp:
+            out.append(
+                f"distributed.vocab_parallel: tensor_parallel_size={L.tp} must divide the vocabulary of "
+                f"{model.vocab_size} entries (set distributed.vocab_parallel=false, or a vocabulary size it divides)"
+            )
         if L.pp > model.num_layers:
             out.append(f"distributed.pipeline_parallel_size={L.pp} exceeds the model's {model.num_layers} layers")
         experts = getattr(model, "num_experts", 1)

@@ -158,7 +158,7 @@ def candidate_setups(
                                     micro_batch=mb,
                                     grad_accum=global_batch // (dp * mb),
                                     num_microbatches=None,
-                                    vocab_parallel=False,
+                                    vocab_parallel=True,
                                     sequence_parallel=tp > 1 and pp == 1,
                                 )
                                 yield setup, layout_problems(Layout.from_setup(setup), shape, devices_per_node)

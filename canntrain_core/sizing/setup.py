@@ -109,9 +109,9 @@ def setup_from_recipe(recipe: Any, **extra: Any) -> TrainSetup:
         grad_accum=recipe.optim.grad_accum_steps,
         num_microbatches=d.num_microbatches,
         pipeline_schedule=d.pipeline_schedule,
-        # What the trainer does: SP when the recipe asks; embedding and head stay replicated.
+        # What the trainer does: SP and vocabulary parallel as the recipe says.
         sequence_parallel=L.sequence_parallel,
-        vocab_parallel=False,
+        vocab_parallel=L.vocab_parallel,
         lora=LoraSetup(recipe.lora.rank, tuple(recipe.lora.target_modules)) if recipe.lora.enabled else None,
     )
     fields.update(extra)
