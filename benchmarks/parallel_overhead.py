@@ -147,7 +147,7 @@ def main() -> None:
             r["bytes"]
             for r in comm_per_step(
                 config,
-                ParallelDims.from_recipe(recipe.distributed),
+                ParallelDims.from_recipe(recipe),
                 recipe.data.batch_size,
                 recipe.data.seq_length,
                 recipe.optim.grad_accum_steps,

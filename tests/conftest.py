@@ -55,7 +55,16 @@ def pytest_unconfigure(config):
         del os.environ["CANNTRAIN_RUNS"]
 
 
+# Executed headless by tests/test_notebooks.py (papermill, its outputs checked for warnings as nbmake's are):
+# nbmake does not run it a second time.
+RUN_ELSEWHERE = {"00_quickstart.ipynb"}
+
+
 def pytest_collection_modifyitems(config, items):
+    elsewhere = [item for item in items if item.path.suffix == ".ipynb" and item.path.name in RUN_ELSEWHERE]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if item not in elsewhere]
     for item in items:
         if (
             SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))

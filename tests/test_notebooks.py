@@ -8,6 +8,7 @@ import nbformat
 import pytest
 
 from canntrain_core.train.metrics import read_metrics
+from nb_warnings import warnings_in
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "cookbook").rglob("*.ipynb"))
@@ -61,6 +62,7 @@ def test_papermill_quickstart_run_dir_is_complete(tmp_path):
     assert "final train loss" in proc.stdout and str(run_dir) in proc.stdout
     # The executed notebook carries outputs, the parameters papermill injected among them.
     executed = nbformat.read(run_dir / "00_quickstart.ipynb", as_version=4)
+    assert warnings_in(executed) == []  # what nbmake checks of every other notebook (it skips this one)
     injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert injected and "max_steps = 40" in injected[0].source
 

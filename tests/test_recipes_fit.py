@@ -2,10 +2,10 @@
 layout the trainer accepts and the planner ranks among its best (step time within 2 % of the fastest
 plan that also leaves 10 % to spare, for the same model, devices, global batch and precision).
 
-Measured: 7b_pretrain 31.7 GiB of 64 (0.1 % off the best plan), 70b_pretrain 49.6 GiB (the best),
-7b_sft 39.0 GiB, 7b_lora 54.9 GiB (both with LLaMA-2's 32,000-token vocabulary). Alignment recipes hold several
-models, which the planner does not model: their trained and scorer ranks fit by ``memory.alignment``
-(7b_ppo: 32.9 GiB on a trained rank, 28.8 GiB on a scorer rank).
+Measured: 7b_pretrain 27.9 GiB of 64 (0.1 % off the best plan), 70b_pretrain 46.6 GiB (the best with
+10 % to spare), 7b_sft 37.4 GiB, 7b_lora 54.9 GiB (both with LLaMA-2's 32,000-token vocabulary). Alignment
+recipes hold several models, which the planner does not model: their trained and scorer ranks fit by
+``memory.alignment`` (7b_ppo: 32.9 GiB on a trained rank, 28.8 GiB on a scorer rank).
 """
 
 from dataclasses import replace

@@ -39,6 +39,11 @@ def register(subparsers) -> None:
     q.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
     q.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     q.add_argument("--offload-optimizer", action="store_true")
+    q.add_argument(
+        "--replicated-vocab",
+        action="store_true",
+        help="plan with the embedding and head replicated over TP (distributed.vocab_parallel: false)",
+    )
     q.add_argument("--top", type=int, default=10, help="how many fitting plans to print")
     q.add_argument(
         "--show-skipped",
@@ -125,7 +130,12 @@ def run_plan(args: argparse.Namespace) -> int:
     dev = get_device(args.device)
     cap = parse_bytes(args.device_memory) if args.device_memory else dev.memory_bytes
     shape = shape_from_preset(args.model)
-    base = TrainSetup(precision=args.precision, seq_length=args.seq_length, offload_optimizer=args.offload_optimizer)
+    base = TrainSetup(
+        precision=args.precision,
+        seq_length=args.seq_length,
+        offload_optimizer=args.offload_optimizer,
+        vocab_parallel=not args.replicated_vocab,
+    )
     skipped: dict[str, int] = {}
     plans = search(
         shape, args.devices, dev, args.devices_per_node, args.global_batch, base, memory_bytes=cap, skipped=skipped

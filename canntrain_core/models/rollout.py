@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -56,8 +57,9 @@ def generate(
     """``max_new`` new tokens for each prompt (``temperature`` 0: greedy), decoded with a KV cache.
 
     ``stop_ids``: end tokens; once every row has generated one, decoding stops (rows may then be shorter
-    than ``max_new``). For one process only (``canntrain generate``): the ranks of a job must make the same
-    forward passes, so rollouts leave it empty and always run ``max_new`` steps.
+    than ``max_new``). In a job of several ranks (the default process group: the trained model's ranks) they
+    must make the same forward passes, so they stop together: when every rank's rows have ended (one
+    all-reduce of a flag per step).
 
     The prompts are left-padded; a padded position is masked out of every query's keys and the
     positions count only real tokens, so each row computes what it would alone (to float rounding).
@@ -85,12 +87,20 @@ def generate(
         out.append(nxt)
         if stop is not None:
             ended |= torch.isin(nxt[:, 0], stop)
-        if step == max_new - 1 or (stop is not None and bool(ended.all())):
+        if step == max_new - 1 or (stop is not None and _all_ended(ended)):
             break
         real = torch.cat([real, torch.ones_like(nxt, dtype=torch.bool)], dim=1)
         positions = positions[:, -1:] + 1
         logits = model(nxt, position_ids=positions, attention_mask=real[:, None, None, :], cache=cache)[:, -1].float()
     return torch.cat(out, dim=1).tolist()
+
+
+def _all_ended(ended: torch.Tensor) -> bool:
+    """Whether every row of every rank (the default process group) has ended."""
+    done = ended.all().to(torch.int32)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+    return bool(done)
 
 
 @torch.no_grad()
@@ -111,7 +121,7 @@ def sample(
     expanded = [p for p in prompts for _ in range(n)]
     responses = [
         row[: row.index(eos_id) + 1] if eos_id in row else row
-        for row in generate(model, expanded, max_new, pad, temperature, top_k)
+        for row in generate(model, expanded, max_new, pad, temperature, top_k, stop_ids=(eos_id,))
     ]
     model.train(was_training)
     return layout(expanded, responses, eos_id, pad)

@@ -132,7 +132,8 @@ def candidate_setups(
     """Every layout of ``devices``, with the validator's reasons when the trainer would refuse it.
 
     Sequence parallel is on wherever the trainer can run it (tp > 1 without pp): it only saves
-    memory; the vocabulary stays replicated, as in the trainer.
+    memory; the embedding, head and loss are split over the vocabulary under TP as ``base`` says (the
+    trainer's default, ``distributed.vocab_parallel: true``).
     """
     cps = [c for c in (1, 2, 4, 8) if devices % c == 0 and base.seq_length >= 8192 * c // 2] or [1]
     for tp in _divisors(devices):
@@ -158,7 +159,7 @@ def candidate_setups(
                                     micro_batch=mb,
                                     grad_accum=global_batch // (dp * mb),
                                     num_microbatches=None,
-                                    vocab_parallel=True,
+                                    vocab_parallel=base.vocab_parallel,
                                     sequence_parallel=tp > 1 and pp == 1,
                                 )
                                 yield setup, layout_problems(Layout.from_setup(setup), shape, devices_per_node)

@@ -40,81 +40,74 @@ class GRPOTrainer(OnlineTrainer):
     def roles(recipe) -> list[tuple[str, bool, bool]]:
         return [("policy", True, False)] + [("reference", False, False)] * (recipe.rlhf.kl_coeff > 0)
 
-    def fit(self, stop_after: int | None = None):
-        r, h = self.recipe, self.recipe.rlhf
+    def train_iteration(self, prompts) -> dict:
+        """Sample a group per prompt, score, then ``rlhf.ppo_epochs`` passes of clipped policy-gradient steps."""
+        h = self.recipe.rlhf
         G, T, estimator = h.group_size, h.temperature, h.kl_estimator or "k3"
         agg = {"aggregation": h.loss_aggregation, "max_tokens": h.generate_max_length}
-        it, bar = iter(self.data.sampler), self.progress_bar()
-        if self.step == 0:
-            self._write({"step": 0, **self.evaluate()})
-        while self.step < r.optim.max_steps:
-            lr = self.scheduler.get_last_lr()[0]
-            prompts = self.next_prompts(it)
-            t0 = time.perf_counter()
-            ro = self.rollout(prompts, G, T)
-            t1 = time.perf_counter()
-            scores = self.true_scores(ro, prompts, G)
-            adv = group_advantages(scores, G, h.scale_rewards).to(self.acc.device)
-            ids, mask = ro.ids.to(self.acc.device), ro.mask.to(self.acc.device)
-            with torch.no_grad(), self.compute():
-                old, ent = token_logprobs(self.model, ids, T, with_entropy=True)
-                ref = token_logprobs(self.reference, ids, T) if self.reference is not None else None
-            t2 = time.perf_counter()
-            stats: dict[str, list[float]] = {}
-            self.model.train()
-            for _ in range(h.ppo_epochs):
-                for mb in torch.randperm(len(ids)).split(h.mini_batch_size):
-                    m = mask[mb]
-                    tokens = self.step_tokens(m) if h.loss_aggregation == "dapo" else None
-                    with self.compute():
-                        logp = token_logprobs(self.model, ids[mb], T)
-                    a = adv[mb][:, None].expand_as(logp)
-                    pg, clip_frac = clipped_policy_loss(
-                        logp, old[mb], a, m, h.clip_range, h.clip_range_high, tokens=tokens, **agg
+        lr = self.scheduler.get_last_lr()[0]
+        t0 = time.perf_counter()
+        ro = self.rollout(prompts, G, T)
+        t1 = time.perf_counter()
+        scores = self.true_scores(ro, prompts, G)
+        adv = group_advantages(scores, G, h.scale_rewards).to(self.acc.device)
+        ids, mask = ro.ids.to(self.acc.device), ro.mask.to(self.acc.device)
+        with torch.no_grad(), self.compute():
+            old, ent = token_logprobs(self.model, ids, T, with_entropy=True)
+            ref = token_logprobs(self.reference, ids, T) if self.reference is not None else None
+        t2 = time.perf_counter()
+        stats: dict[str, list[float]] = {}
+        self.model.train()
+        for _ in range(h.ppo_epochs):
+            for mb in torch.randperm(len(ids)).split(h.mini_batch_size):
+                m = mask[mb]
+                tokens = self.step_tokens(m) if h.loss_aggregation == "dapo" else None
+                with self.compute():
+                    logp = token_logprobs(self.model, ids[mb], T)
+                a = adv[mb][:, None].expand_as(logp)
+                pg, clip_frac = clipped_policy_loss(
+                    logp, old[mb], a, m, h.clip_range, h.clip_range_high, tokens=tokens, **agg
+                )
+                kl = torch.zeros((), device=logp.device)
+                if ref is not None:
+                    kl = aggregate(
+                        kl_penalty(logp, ref[mb], estimator), m, h.loss_aggregation, h.generate_max_length, tokens
                     )
-                    kl = torch.zeros((), device=logp.device)
-                    if ref is not None:
-                        kl = aggregate(
-                            kl_penalty(logp, ref[mb], estimator), m, h.loss_aggregation, h.generate_max_length, tokens
-                        )
-                    self.scaler.scale(pg + h.kl_coeff * kl).backward()
-                    ppo_kl = masked_mean(old[mb] - logp.detach(), m)
-                    for k, v in (
-                        ("actor/grad_norm", self.optimizer_step()),
-                        ("actor/pg_loss", pg),
-                        ("actor/pg_clipfrac", clip_frac),
-                        ("actor/ppo_kl", ppo_kl),
-                        *((("actor/kl_loss", kl),) if ref is not None else ()),
-                    ):
-                        stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else v)
-            t3 = time.perf_counter()
-            gen_tokens = float(mask.sum())
-            lengths = mask.sum(-1)
-            record = {
-                "true_score/mean": float(scores.mean()),
-                "critic/score/mean": float(scores.mean()),
-                "critic/score/max": float(scores.max()),
-                "critic/score/min": float(scores.min()),
-                "response_length/mean": gen_tokens / len(ids),
-                "response_length/clip_ratio": float((lengths == h.generate_max_length).float().mean()),
-                "actor/entropy": float(
-                    aggregate(
-                        ent, mask, "bnpo" if h.loss_aggregation == "dapo" else h.loss_aggregation, h.generate_max_length
-                    )
-                ),
-                "lr": lr,
-                **({"actor/kl_coef": h.kl_coeff} if ref is not None else {}),
-                **{k: sum(v) / len(v) for k, v in stats.items()},
-                "timing_s/gen": t1 - t0,
-                "timing_s/score": t2 - t1,
-                "timing_s/update": t3 - t2,
-                "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
-                "perf/train_tokens_per_second": h.ppo_epochs * ids.numel() / (t3 - t2),
-            }
-            if self.finish_iteration(record, stop_after, bar):
-                break
-        bar.close()
-        return self.result()
+                self.scaler.scale(pg + h.kl_coeff * kl).backward()
+                ppo_kl = masked_mean(old[mb] - logp.detach(), m)
+                for k, v in (
+                    ("actor/grad_norm", self.optimizer_step()),
+                    ("actor/pg_loss", pg),
+                    ("actor/pg_clipfrac", clip_frac),
+                    ("actor/ppo_kl", ppo_kl),
+                    *((("actor/kl_loss", kl),) if ref is not None else ()),
+                ):
+                    stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else v)
+        t3 = time.perf_counter()
+        gen_tokens = float(mask.sum())
+        lengths = mask.sum(-1)
+        record = {
+            "true_score/mean": float(scores.mean()),
+            "critic/score/mean": float(scores.mean()),
+            "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
+            "response_length/mean": gen_tokens / len(ids),
+            "response_length/clip_ratio": float((lengths == h.generate_max_length).float().mean()),
+            "actor/entropy": float(
+                aggregate(
+                    ent, mask, "bnpo" if h.loss_aggregation == "dapo" else h.loss_aggregation, h.generate_max_length
+                )
+            ),
+            "lr": lr,
+            **({"actor/kl_coef": h.kl_coeff} if ref is not None else {}),
+            **{k: sum(v) / len(v) for k, v in stats.items()},
+            "timing_s/gen": t1 - t0,
+            "timing_s/score": t2 - t1,
+            "timing_s/update": t3 - t2,
+            "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
+            "perf/train_tokens_per_second": h.ppo_epochs * ids.numel() / (t3 - t2),
+        }
+        return record
 
     def step_tokens(self, mask: torch.Tensor) -> float:
         """``dapo``'s normaliser: the generated tokens of this optimizer step's mini-batch summed over the

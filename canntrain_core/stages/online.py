@@ -9,7 +9,6 @@ policy was trained on (a learned reward model's score, for PPO).
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from canntrain_core.finetune.tasks import partial_score, score
 from canntrain_core.models.rollout import sample
@@ -56,7 +55,7 @@ class OnlineTrainer(Trainer):
         return torch.tensor([partial_score(self.data.answer_text(resp), ref) for resp, ref in zip(ro.responses, refs)])
 
     @torch.no_grad()
-    def evaluate(self, batches=None) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
         """Greedy answers to the held-out prompts (``logging.eval_exact_match`` of them, default 32):
         mean true score and exact match; none when ``data.val_fraction`` is 0."""
         if not self.data.val:
@@ -81,31 +80,25 @@ class OnlineTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
-    def progress_bar(self) -> tqdm:
-        return tqdm(
-            total=self.recipe.optim.max_steps,
-            initial=self.step,
-            desc=self.recipe.experiment.name,
-            disable=not self.progress,
-        )
+    def batches(self):
+        """Each iteration's ``data.batch_size`` prompts, in the sampler's order."""
+        it = iter(self.data.sampler)
+        while True:
+            yield self.next_prompts(it)
 
-    def finish_iteration(self, record: dict, stop_after: int | None, bar: tqdm) -> bool:
-        """Schedule, log, evaluate, checkpoint; True when the run should stop here. Every rank holds the
-        same ``record`` up to its own rollout: scalar metrics are averaged over data-parallel ranks (``*/max``
-        and ``*/min`` are the extremes over them)."""
-        r = self.recipe
-        self.scheduler.step()
-        self.step += 1
-        bar.update(1)
-        bar.set_postfix(score=f"{record['true_score/mean']:.3f}")
-        last = self.step == r.optim.max_steps
-        if self.step % r.logging.eval_interval == 0 or last:
-            record.update(self.evaluate())
-        if self.step % r.logging.log_interval == 0 or "val_score" in record or last:
-            self._write({"step": self.step, **self._averaged(record)})
-        if self.step % r.logging.ckpt_interval == 0 or last or self.step == stop_after:
-            self.save()
-        return self.step == stop_after
+    def log_record(self, raw: dict, last: bool) -> dict:
+        """The iteration's metrics at ``logging.log_interval``s: every rank holds the same ``raw`` up to its own
+        rollout, so scalar metrics are averaged over data-parallel ranks (``*/max`` and ``*/min`` are the
+        extremes over them)."""
+        return self._averaged(raw) if self.step % self.recipe.logging.log_interval == 0 or last else {}
+
+    def with_evaluation(self, record: dict, raw: dict) -> dict:
+        """An evaluated step is logged with its metrics, whatever the log interval."""
+        found = self.evaluate()
+        return {**(record or (self._averaged(raw) if found else {})), **found}
+
+    def postfix(self, raw: dict, record: dict) -> dict:
+        return {"score": f"{raw['true_score/mean']:.3f}"}
 
     def _averaged(self, record: dict) -> dict:
         if self.dims.dp == 1:

@@ -97,7 +97,8 @@ class PairTrainer(Trainer):
         return total
 
     @torch.no_grad()
-    def evaluate(self, batches: list) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
+        batches = self.val_batches
         if not batches:  # data.val_fraction 0
             return {}
         self.model.eval()

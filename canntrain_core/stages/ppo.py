@@ -111,41 +111,35 @@ class PPOTrainer(OnlineTrainer):
     def load_extra_state(self, state: dict) -> None:
         self.kl_coeff = state.get("kl_coeff", self.kl_coeff)
 
-    def fit(self, stop_after: int | None = None):
+    def train_iteration(self, prompts) -> dict:
+        """Roll out, score (experience), then ``rlhf.ppo_epochs`` passes over mini-batches; adapt the KL
+        coefficient."""
         r = self.recipe
-        it, bar = iter(self.data.sampler), self.progress_bar()
-        if self.step == 0:
-            self._write({"step": 0, **self.evaluate()})
-        try:
-            while self.step < r.optim.max_steps:
-                lr = self.scheduler.get_last_lr()[0]
-                prompts = self.next_prompts(it)
-                t0 = time.perf_counter()
-                ro = self.rollout(prompts, 1, r.rlhf.temperature)
-                t1 = time.perf_counter()
-                exp, record = self.experience(ro, prompts)
-                t2 = time.perf_counter()
-                record.update(self.update(exp))
-                t3 = time.perf_counter()
-                self.adapt_kl(exp["kl_sum"])
-                gen_tokens, ids = float(exp["mask"].sum()), exp["ids"]
-                record.update(
-                    {
-                        "lr": lr,
-                        "response_length/mean": gen_tokens / len(ids),
-                        "timing_s/gen": t1 - t0,
-                        "timing_s/score": t2 - t1,
-                        "timing_s/update": t3 - t2,
-                        "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
-                        "perf/train_tokens_per_second": r.rlhf.ppo_epochs * ids.numel() / (t3 - t2),
-                    }
-                )
-                if self.finish_iteration(record, stop_after, bar):
-                    break
-        finally:
-            self.frozen.close()
-            bar.close()
-        return self.result()
+        lr = self.scheduler.get_last_lr()[0]
+        t0 = time.perf_counter()
+        ro = self.rollout(prompts, 1, r.rlhf.temperature)
+        t1 = time.perf_counter()
+        exp, record = self.experience(ro, prompts)
+        t2 = time.perf_counter()
+        record.update(self.update(exp))
+        t3 = time.perf_counter()
+        self.adapt_kl(exp["kl_sum"])
+        gen_tokens, ids = float(exp["mask"].sum()), exp["ids"]
+        record.update(
+            {
+                "lr": lr,
+                "response_length/mean": gen_tokens / len(ids),
+                "timing_s/gen": t1 - t0,
+                "timing_s/score": t2 - t1,
+                "timing_s/update": t3 - t2,
+                "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
+                "perf/train_tokens_per_second": r.rlhf.ppo_epochs * ids.numel() / (t3 - t2),
+            }
+        )
+        return record
+
+    def close(self) -> None:
+        self.frozen.close()  # the scorer ranks (separated placement) stop serving
 
     @torch.no_grad()
     def experience(self, ro, prompts) -> tuple[dict, dict]:

@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -279,77 +279,114 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self, stop_after: int | None = None) -> RunResult:
         """Train to optim.max_steps; ``stop_after=N`` stops early at step N with a checkpoint,
-        as a preempted job would, leaving the schedule set for max_steps so a resume continues it."""
-        r, acc, model = self.recipe, self.acc, self.model
-        accum, max_steps = r.optim.grad_accum_steps, r.optim.max_steps
-        # Tokens this device trains on per step: its data-parallel share, split over tp/pp/cp.
-        tokens_per_step = r.data.batch_size * r.data.seq_length * accum / self.dims.non_data_parallel
-        flops_step = flops_per_token(self.model_config, r.data.seq_length) * tokens_per_step
-        peak, _ = peak_flops(acc, r.model.precision)
-        train_iter = iter(self.data.train_loader())
-        # eval_batches global batches, each rank its share; a pipeline evaluates a step's worth at once.
-        val_per_batch = r.data.batch_size * (accum if self.schedule is not None else 1)
-        val_batches = self.data.val_batches(r.logging.eval_batches * r.global_batch_size, val_per_batch, *self.dp)
+        as a preempted job would, leaving the schedule set for max_steps so a resume continues it.
+
+        The one loop of every stage: each step the stage trains on its next batch (``train_iteration``: forward,
+        backward and its optimizer step(s)), the schedule steps, and the cadence of ``logging`` decides what is
+        logged (``log_record``), evaluated, checkpointed."""
+        r = self.recipe
+        batches = self.batches()
         if self.step == 0:
-            self._write({"step": 0, **self.evaluate(val_batches)})
-
-        bar = tqdm(total=max_steps, initial=self.step, desc=r.experiment.name, disable=not self.progress)
-        acc.reset_peak_memory()
-        window_start, window_steps = time.perf_counter(), 0
-        while self.step < max_steps:
-            model.train()
-            lr = self.scheduler.get_last_lr()[0]
-            micro_batches = []
-            for _ in range(accum):
-                micro_batches.append(next(train_iter))
-                self.data.sampler.advance(r.data.batch_size)
-            try:
-                loss = self.train_step(micro_batches)
-            except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
-                if not _is_oom(e):
-                    raise
-                raise self._out_of_memory(e) from e
-            self.scaler.unscale_(self.optimizer)
-            grad_norm = clip_grad_norm(model.parameters(), r.optim.grad_clip, self.pp_group)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            window_steps += 1
-            bar.update(1)
-
-            record: dict[str, Any] = {}
-            if self.step % r.logging.log_interval == 0 or self.step == max_steps:
-                acc.synchronize()
-                dt = (time.perf_counter() - window_start) / window_steps
-                record = {
-                    "loss": self._mean_over_ranks(loss),
-                    "grad_norm": grad_norm.item(),
-                    "lr": lr,
-                    "tokens_per_second": tokens_per_step / dt,
-                    "tflops": flops_step / dt / 1e12,
-                    "mfu": flops_step / dt / peak,
-                    "step_time": dt,
-                    "peak_memory_bytes": acc.peak_memory_bytes(),
-                }
-                if "padding_fraction" in self.data.info:  # instruction rows: tokens that are not padding
-                    record["real_tokens_per_second"] = record["tokens_per_second"] * (
-                        1 - self.data.info["padding_fraction"]
-                    )
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
-            if self.step % r.logging.eval_interval == 0 or self.step == max_steps:
-                record.update(self.evaluate(val_batches))
-            if record:
-                self._write({"step": self.step, **record})
-            if self.step % r.logging.ckpt_interval == 0 or self.step in (max_steps, stop_after):
-                self.save()
-            if self.step == stop_after:
-                break
-            if record:  # evaluation and checkpoint time is not training throughput
-                window_start, window_steps = time.perf_counter(), 0
-        bar.close()
+            self._write({"step": 0, **self.evaluate()})
+        bar = tqdm(total=r.optim.max_steps, initial=self.step, desc=r.experiment.name, disable=not self.progress)
+        self.acc.reset_peak_memory()
+        self.window = [time.perf_counter(), 0]  # throughput: the start and steps of the interval being timed
+        try:
+            while self.step < r.optim.max_steps:
+                raw = self.train_iteration(next(batches))
+                self.scheduler.step()
+                self.step += 1
+                self.window[1] += 1
+                bar.update(1)
+                last = self.step == r.optim.max_steps
+                record = self.log_record(raw, last)
+                if self.step % r.logging.eval_interval == 0 or last:
+                    record = self.with_evaluation(record, raw)
+                if self.progress:
+                    bar.set_postfix(self.postfix(raw, record))
+                if record:
+                    self._write({"step": self.step, **record})
+                if self.step % r.logging.ckpt_interval == 0 or self.step in (r.optim.max_steps, stop_after):
+                    self.save()
+                if self.step == stop_after:
+                    break
+                if record:  # evaluation and checkpoint time is not training throughput
+                    self.window = [time.perf_counter(), 0]
+        finally:
+            self.close()
+            bar.close()
         return self.result()  # plots are drawn from metrics.jsonl by the CLI and the notebooks
+
+    # ------------------------------------------------------------------ a stage's step (pretraining's here)
+    def batches(self) -> Iterator:
+        """What each step trains on, in order: here one step's micro-batches (the sampler advanced by them)."""
+        r = self.recipe
+        train_iter = iter(self.data.train_loader())  # now, before the first evaluation, as it always was
+
+        def steps():
+            while True:
+                micro_batches = []
+                for _ in range(r.optim.grad_accum_steps):
+                    micro_batches.append(next(train_iter))
+                    self.data.sampler.advance(r.data.batch_size)
+                yield micro_batches
+
+        return steps()
+
+    def train_iteration(self, micro_batches: list) -> dict:
+        """One optimizer step on ``micro_batches``; what :meth:`log_record` reads of it."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.model.train()
+        try:
+            loss = self.train_step(micro_batches)
+        except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
+            if not _is_oom(e):
+                raise
+            raise self._out_of_memory(e) from e
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.optim.grad_clip, self.pp_group)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+
+    def log_record(self, raw: dict, last: bool) -> dict[str, Any]:
+        """What this step logs ({} between ``logging.log_interval``s): loss over data-parallel ranks, gradient
+        norm, learning rate, and throughput over the steps since the last logged row."""
+        r, acc = self.recipe, self.acc
+        if not (self.step % r.logging.log_interval == 0 or last):
+            return {}
+        acc.synchronize()
+        dt = (time.perf_counter() - self.window[0]) / self.window[1]
+        # Tokens this device trains on per step: its data-parallel share, split over tp/pp/cp.
+        tokens = r.data.batch_size * r.data.seq_length * r.optim.grad_accum_steps / self.dims.non_data_parallel
+        flops = flops_per_token(self.model_config, r.data.seq_length) * tokens
+        record = {
+            "loss": self._mean_over_ranks(raw["loss"]),
+            "grad_norm": raw["grad_norm"].item(),
+            "lr": raw["lr"],
+            "tokens_per_second": tokens / dt,
+            "tflops": flops / dt / 1e12,
+            "mfu": flops / dt / peak_flops(acc, r.model.precision)[0],
+            "step_time": dt,
+            "peak_memory_bytes": acc.peak_memory_bytes(),
+        }
+        if "padding_fraction" in self.data.info:  # instruction rows: tokens that are not padding
+            record["real_tokens_per_second"] = record["tokens_per_second"] * (1 - self.data.info["padding_fraction"])
+        return record
+
+    def with_evaluation(self, record: dict, raw: dict) -> dict:
+        """``record`` with this step's evaluation (``logging.eval_interval``)."""
+        return {**record, **self.evaluate()}
+
+    def postfix(self, raw: dict, record: dict) -> dict | None:
+        """The progress bar's figures after a step (None: unchanged)."""
+        if "tokens_per_second" not in record:
+            return None
+        return {"loss": f"{record['loss']:.3f}", "tok_s": f"{record['tokens_per_second']:.0f}"}
+
+    def close(self) -> None:
+        """What a stage releases when its loop ends, finished or not (PPO: its scorer ranks)."""
 
     def train_step(self, micro_batches: list) -> torch.Tensor:
         """Forward and backward over one optimizer step's micro-batches; returns the step's loss
@@ -431,11 +468,20 @@ class Trainer:
         return self._sum_over_dp(loss) / self.dims.dp
 
     # ------------------------------------------------------------------ pieces
+    @functools.cached_property
+    def val_batches(self) -> list:
+        """``logging.eval_batches`` global batches of the val split, this rank's share; a pipeline evaluates a
+        step's worth at once. The same batches at every evaluation."""
+        r = self.recipe
+        per_batch = r.data.batch_size * (r.optim.grad_accum_steps if self.schedule is not None else 1)
+        return self.data.val_batches(r.logging.eval_batches * r.global_batch_size, per_batch, *self.dp)
+
     @torch.no_grad()
-    def evaluate(self, batches: list) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
         """Validation loss (for instruction data: the mean over trained tokens); with
         ``logging.eval_exact_match``, the share of held-out answers generated exactly. No batches
         (``data.val_fraction: 0``): nothing to evaluate, nothing logged."""
+        batches = self.val_batches
         if not batches:
             return {}
         self.model.eval()
