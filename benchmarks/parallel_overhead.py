@@ -155,6 +155,7 @@ def main() -> None:
                 recipe.model.precision,
                 backend="gloo",
                 sequence_parallel=recipe.distributed.sequence_parallel,
+                vocab_parallel=recipe.distributed.vocab_parallel,
             )
         )
         measured = res["bytes_per_step"]

@@ -2,7 +2,7 @@
 
 Every tensor is laid out per response token; ``mask`` is 1 on tokens the policy generated (0 on the
 prompt and on padding after the end token). Each function equals its namesake in TRL and verl on the
-same tensors (``tests/test_rlhf_math.py`` re-derives theirs and compares): TRL's ``GRPOTrainer._compute_loss``
+same tensors (``tests/losses/test_rlhf_math.py`` re-derives theirs and compares): TRL's ``GRPOTrainer._compute_loss``
 (``loss_type``), ``PPOTrainer`` and ``utils.masked_whiten``; verl's ``trainer/ppo/core_algos.py``
 (``agg_loss``, ``kl_penalty``, ``compute_value_loss``, ``compute_gae_advantage_return``). Where the two
 peers differ, the docstring says which one a mode follows.

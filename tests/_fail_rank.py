@@ -1,4 +1,4 @@
-"""Torchrun target for tests/test_launch.py (stands in for `canntrain train`; imports no torch).
+"""Torchrun target for tests/jobs/test_launch.py (stands in for `canntrain train`; imports no torch).
 
 Rank $FAIL_RANK (default 1) raises; the other ranks sleep $FAIL_RANK_SLEEP seconds, standing in
 for ranks blocked in a collective, so torchrun has to tear them down. With FAIL_RANK=-1 no rank

@@ -1,4 +1,5 @@
-"""Torchrun target for tests/test_hf.py: build each family's model under 4-rank layouts, save what each rank holds.
+"""Torchrun target for tests/models/test_hf.py: build each family's model under 4-rank layouts, save what each
+rank holds.
 
     torchrun --nproc_per_node 4 tests/_hf_ranks.py OUT HF_DIR [HF_DIR ...]
 

@@ -10,8 +10,12 @@ import pytest
 
 from canntrain_core.recipe import load_recipe
 
+# Tests live in folders that mirror canntrain_core's packages (tests/sizing/ for canntrain_core/sizing/, ...);
+# the paths they share are named here once.
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "cookbook" / "llama" / "configs" / "tiny_pretrain.yaml"
+CONFIGS = ROOT / "cookbook" / "llama" / "configs"
+BAD_INPUTS = ROOT / "tests" / "bad_inputs"  # one bad input a file (tests/recipe/test_bad_inputs.py)
+TINY = CONFIGS / "tiny_pretrain.yaml"
 
 # Small enough that a step takes milliseconds, big enough that the loss visibly falls.
 FAST = {
@@ -55,7 +59,7 @@ def pytest_unconfigure(config):
         del os.environ["CANNTRAIN_RUNS"]
 
 
-# Executed headless by tests/test_notebooks.py (papermill, its outputs checked for warnings as nbmake's are):
+# Executed headless by tests/jobs/test_notebooks.py (papermill, its outputs checked for warnings as nbmake's are):
 # nbmake does not run it a second time.
 RUN_ELSEWHERE = {"00_quickstart.ipynb"}
 

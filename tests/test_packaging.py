@@ -5,8 +5,7 @@ import tomllib
 from pathlib import Path
 
 import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 
 def _name(req: str) -> str:

@@ -11,7 +11,7 @@ The SFT is deliberately short (100 steps): the model has learned the answer form
 which leaves a clear margin for reinforcement learning to show; ``sft.ipynb`` trains it to the end.
 
 Both caches (the start, and :func:`trained` runs) are keyed by :func:`code_version` too: what a cache holds
-was made by the code now installed, or it is not used. ``tests/test_rlhf.py`` trains in the notebooks'
+was made by the code now installed, or it is not used. ``tests/stages/test_rlhf.py`` trains in the notebooks'
 workdir (``$CANNTRAIN_RUNS/rlhf`` under the test suite) with their recipes, so CI runs each training once.
 """
 

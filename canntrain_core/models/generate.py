@@ -1,8 +1,11 @@
-"""Sampling text from a trained model, to see what the loss number means."""
+"""Sampling text from a trained model, to see what the loss number means; greedy decoding without a cache
+(the one path for sequence parallelism, which cannot split a one-token step over its ranks)."""
 
 from __future__ import annotations
 
 import torch
+
+from canntrain_core.models.rollout import generate
 
 
 @torch.no_grad()
@@ -15,26 +18,20 @@ def sample_text(
     top_k: int = 50,
     seed: int = 0,
 ) -> str:
-    """Continue ``prompt`` with top-k sampling.
+    """Continue ``prompt`` with top-k sampling: the rollouts' KV-cached loop (``models.rollout.generate``),
+    stopping at the end-of-text token.
 
-    ``model`` is a CausalLM (or anything mapping token ids to logits); ``data`` is the DataBundle
-    whose tokenizer trained it. No KV cache: a few dozen tokens from a tiny model need none.
+    ``model`` is a CausalLM; ``data`` is the DataBundle whose tokenizer trained it.
     """
-    device = next(model.parameters()).device
-    ids = torch.tensor([data.encode(prompt)], device=device)
+    prompt_ids = data.encode(prompt)
     was_training = model.training
     model.eval()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for _ in range(max_new_tokens):
-            logits = model(ids)[:, -1, :].float() / temperature
-            top = torch.topk(logits, top_k)
-            choice = torch.multinomial(torch.softmax(top.values, dim=-1), 1)
-            ids = torch.cat([ids, top.indices.gather(-1, choice)], dim=1)
-            if ids[0, -1].item() == data.eos_id:
-                break
+        out = generate(model, [prompt_ids], max_new_tokens, data.eos_id, temperature, top_k, stop_ids=(data.eos_id,))
     model.train(was_training)
-    return data.decode(ids[0].tolist())
+    new = out[0][: out[0].index(data.eos_id) + 1] if data.eos_id in out[0] else out[0]
+    return data.decode(prompt_ids + new)
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ rows only and holds [tokens, vocab / tp] logits; the softmax's max and sum and t
 all-reduced over tp (three reductions of [tokens] floats, Megatron's vocab-parallel cross-entropy), so no rank
 ever holds [tokens, vocab]. The hidden states enter as a tp-replicated DTensor: the gradient each rank's rows
 give them is summed over tp by DTensor on the way back. Measured against the replicated head in
-``tests/test_hf.py`` (FSDP2 x TP2 training equals one process) and ``benchmarks/vocab_parallel_memory.py``.
+``tests/models/test_hf.py`` (FSDP2 x TP2 training equals one process) and ``benchmarks/vocab_parallel_memory.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ fp32 (no autocast), llama block::
     mlp      gate 4i, up 4i, silu 4i, silu*up 4i            16i
 
 bf16/fp16 under autocast: the residual stream and the RMSNorm math stay fp32 (x, n: 16h + 8);
-every linear saves its own 16-bit cast of its input (q, k, v: 3 x 2h; gate, up: 2 x 2h); attention
+every linear saves its own 16-bit cast of its input (q, k, v: 3 x 2h; gate, up: 2 x 2h; none under FSDP2's
+MixedPrecisionPolicy, whose layers receive 16-bit inputs); attention
 and MLP tensors are 16-bit (4h + 4kv + 4a + 8i); and autocast's cached 16-bit copy of every weight
 matrix is saved for backward (2 bytes per weight, per micro-batch in flight).
 
@@ -54,6 +55,11 @@ def _per_token(shape: ModelShape, setup: TrainSetup) -> tuple[float, float]:
     if setup.precision == "fp32":
         replicated = 24 * h + 8
         sharded = 8 * h + 8 * kv + 4 * a + mlp_fp32
+    elif half and setup.zero >= 1 and setup.dp * setup.cp > 1:
+        # FSDP2's MixedPrecisionPolicy: the layer's inputs arrive in 16 bits, so the linears' inputs need no
+        # cast of their own (the norms still compute, and save, in fp32)
+        replicated = 16 * h + 8
+        sharded = 4 * h + 4 * kv + 4 * a + mlp_half
     elif half:
         replicated = 16 * h + 8 + 10 * h
         sharded = 4 * h + 4 * kv + 4 * a + mlp_half

@@ -43,6 +43,7 @@ def comm_per_step(
     precision: str = "fp32",
     backend: str = "nccl",
     sequence_parallel: bool = False,
+    vocab_parallel: bool = True,
 ) -> list[dict]:
     """Rows of (strategy, collective, calls per step, bytes sent per device per step).
 
@@ -50,6 +51,9 @@ def comm_per_step(
     ``dp`` and ``dp_shard`` (a sizing.layout.Layout, or a runtime.distributed.ParallelDims).
     ``grad_accum``: micro-batches per step.
     ``backend="gloo"``: gloo has no reduce-scatter, so it falls back to an all-reduce (twice the bytes).
+    ``vocab_parallel`` (the trainer's default, ``distributed.vocab_parallel``): under TP the embedding's output
+    is summed over tp (a reduce-scatter under SP) and, in backward, the head's input gradient; the loss
+    all-reduces three fp32 floats a token (the softmax's max and sum, the target's logit).
     """
     shape: ModelShape = model if isinstance(model, ModelShape) else shape_of(model)
     half = precision in ("bf16", "fp16")
@@ -97,6 +101,25 @@ def comm_per_step(
             }
         )
         tp_local = params_per_stage / t
+    if dims.tp > 1 and vocab_parallel:
+        t, label = dims.tp, "TP+SP" if sequence_parallel else "TP"
+        embed = (rs_factor if sequence_parallel else 2) * (t - 1) / t * acts
+        rows.append(
+            {
+                "strategy": label,
+                "collective": "all-reduce (vocabulary-parallel embedding output, head input gradient)",
+                "calls": 2 * grad_accum,
+                "bytes": grad_accum * (embed + 2 * (t - 1) / t * acts),
+            }
+        )
+        rows.append(
+            {
+                "strategy": label,
+                "collective": "all-reduce (vocabulary-parallel loss)",
+                "calls": 3 * grad_accum,
+                "bytes": 3 * grad_accum * 2 * (t - 1) / t * batch_size * seq_length * 4,
+            }
+        )
     n = dims.dp
     if n > 1:
         grads = tp_local * 4  # gradients reduce in fp32

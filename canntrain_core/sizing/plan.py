@@ -98,6 +98,7 @@ def step_time(
         s.zero,
         s.precision,
         sequence_parallel=s.sequence_parallel,
+        vocab_parallel=s.vocab_parallel,
     )
     traffic = {
         k: sum(r["bytes"] for r in rows if r["strategy"] in names)

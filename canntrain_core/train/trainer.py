@@ -538,7 +538,7 @@ class Trainer:
                 "recipe.resolved.yaml": self.recipe.to_yaml(),
                 "config.json": self.model_config.to_json_string(),
                 "tokenizer.json": self.data.tokenizer.to_str(),
-                **self.tokenizer_metadata(),
+                **self.tokenizer_metadata,
                 **self._base_files(),
                 STAGE_FILE: json.dumps(
                     {
@@ -552,26 +552,25 @@ class Trainer:
             trainable_only=self.adapters_only,
         )
 
+    @functools.cached_property
     def tokenizer_metadata(self) -> dict[str, str]:
         """What each checkpoint carries beside tokenizer.json, for ``canntrain export`` and ``canntrain
         generate``: tokenizer_config.json (special tokens: the source tokenizer's, or the trained one's EOS),
         the chat template conversations were formatted with (the tokenizer's, or data.template as Jinja;
         none for pretraining) and model.init_from's generation_config.json, when it has one."""
-        if getattr(self, "_tokenizer_metadata", None) is None:
-            fmt = getattr(self.data, "format", None)  # stages that format conversations
-            given = getattr(self, "_given_tokenizer", None)
-            files = tokenizer_files(
-                self.data.tokenizer,
-                self.data.eos_id,
-                given.hf if given is not None else None,
-                fmt.chat_template() if fmt is not None else None,
-                self.model_config.max_position_embeddings,
-            )
-            source = Path(self.recipe.model.init_from or "") / "generation_config.json"
-            if self.recipe.model.init_from and source.is_file():
-                files["generation_config.json"] = source.read_text(encoding="utf-8")
-            self._tokenizer_metadata = files
-        return self._tokenizer_metadata
+        fmt = self.data.format if self.formats_conversations else None
+        given = self._given_tokenizer
+        files = tokenizer_files(
+            self.data.tokenizer,
+            self.data.eos_id,
+            given.hf if given is not None else None,
+            fmt.chat_template() if fmt is not None else None,
+            self.model_config.max_position_embeddings,
+        )
+        source = Path(self.recipe.model.init_from or "") / "generation_config.json"
+        if self.recipe.model.init_from and source.is_file():
+            files["generation_config.json"] = source.read_text(encoding="utf-8")
+        return files
 
     def _base_files(self) -> dict[str, str]:
         """A LoRA checkpoint holds adapters only: it names the base they adapt by its fingerprint, which

@@ -15,8 +15,8 @@ import pytest
 from canntrain_core.cli import main
 from canntrain_core.jobs.slurm import SlurmError, SlurmJob, render
 from canntrain_core.runtime.rank_table import PLACEHOLDER_KEY, build_rank_table, check_rank_table, load_device_ips
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_pretrain.sh"
 TINY = ROOT / "cookbook" / "llama" / "configs" / "tiny_pretrain.yaml"
 R70B = ROOT / "cookbook" / "llama" / "configs" / "70b_pretrain.yaml"  # world_size 32

@@ -2,15 +2,14 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import nbformat
 import pytest
 
 from canntrain_core.train.metrics import read_metrics
 from nb_warnings import warnings_in
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "cookbook").rglob("*.ipynb"))
 NOTEBOOKS = [p for p in NOTEBOOKS if ".ipynb_checkpoints" not in p.parts and "runs" not in p.parts]
 

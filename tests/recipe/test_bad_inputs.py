@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from canntrain_core.cli import main
+from conftest import BAD_INPUTS
 
-CASES = Path(__file__).resolve().parent / "bad_inputs"
+CASES = BAD_INPUTS
 _HEADER = re.compile(r"# expect: (\d+) \| (.+)")
 _ARGS = re.compile(r"# args: (.+)")
 

@@ -34,9 +34,9 @@ from canntrain_core.finetune.records import read_conversations
 from canntrain_core.jobs.generate import load_generator
 from canntrain_core.recipe import load_recipe
 from canntrain_core.stages import make_trainer
-from conftest import SFT, task_data
+from conftest import BAD_INPUTS, SFT, task_data
 
-TOKENIZER = Path(__file__).parent / "bad_inputs" / "data" / "tiny_hf" / "tokenizer.json"  # 300 byte-level tokens
+TOKENIZER = BAD_INPUTS / "data" / "tiny_hf" / "tokenizer.json"  # 300 byte-level tokens
 EOS = "<|endoftext|>"
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"

@@ -7,8 +7,7 @@ import pytest
 import yaml
 
 from canntrain_core.recipe import RecipeError, load_recipe, save_resolved
-
-CONFIGS = Path(__file__).resolve().parents[1] / "cookbook" / "llama" / "configs"
+from conftest import CONFIGS
 
 
 def write(tmp_path: Path, text: str) -> Path:

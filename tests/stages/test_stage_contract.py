@@ -3,7 +3,7 @@ preset), takes steps, checkpoints, resumes bit-exactly, and runs under fp32, bf1
 loop's loss scaler is used; a stage that called backward() without it crashed in unscale_).
 
 One tiny model (2 layers, hidden 64) and 4 steps per stage: the point is the contract, not the learning
-(tests/test_rlhf.py and test_sft.py check that).
+(tests/stages/test_rlhf.py and test_sft.py check that).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from canntrain_core.finetune.tasks import task_records
 from canntrain_core.recipe import Recipe, load_recipe
 from canntrain_core.finetune.alignment_data import preference_records
 from canntrain_core.train.metrics import read_metrics
-from conftest import write_hf_model
+from conftest import CONFIGS, write_hf_model
 from canntrain_core.stages import make_trainer
 
-CONFIGS = Path(__file__).resolve().parents[1] / "cookbook" / "llama" / "configs"
 
 STEPS = 4
 TIMING = ("timing_s/", "perf/", "tokens_per_second", "tflops", "mfu", "step_time", "peak_memory")

@@ -146,18 +146,19 @@ def test_the_planner_never_splits_a_tied_model_over_pipeline_stages():
 
 
 def _best(preset: str, devices: int, vocab_parallel: bool):
+    """The fastest plan that leaves 10 % of a 910B's 64 GiB to spare (the shipped recipes' rule)."""
     base = TrainSetup(vocab_parallel=vocab_parallel)
-    plans = search(shape_from_preset(preset), devices, get_device("910b"), 8, 128, base=base, memory_bytes=CAP)
+    dev = get_device("910b")
+    plans = search(shape_from_preset(preset), devices, dev, 8, 128, base=base, memory_bytes=0.9 * CAP)
     return next(p for p in plans if p.fits)
 
 
 def test_a_vocabulary_parallel_head_changes_what_the_planner_recommends():
     """At Llama 3's and Qwen's vocabularies the replicated head is a large share of a rank: llama3-8b on 8 x 910B
-    keeps its best layout (TP2 x DP4) 7.7 GiB lighter; qwen2.5-72b on 32 fits a pipeline (TP4 x PP8) only with
-    the head split over the vocabulary, and its best step is 1.4x faster for it by the cost model."""
+    fits TP2 x DP4 only with the head split over the vocabulary (replicated, the best is a pipeline); qwen2.5-72b
+    on 32 fits a pipeline (TP4 x PP8) only so, and its best step is 1.9x faster for it by the cost model."""
     split, whole = _best("llama3-8b", 8, True), _best("llama3-8b", 8, False)
-    assert (split.setup.tp, split.setup.pp, split.setup.dp) == (whole.setup.tp, whole.setup.pp, whole.setup.dp)
-    assert whole.setup.tp > 1 and whole.estimate.total - split.estimate.total > 7 * GiB
+    assert (split.setup.tp, split.setup.pp) == (2, 1) and whole.setup.pp > 1
     split, whole = _best("qwen2.5-72b", 32, True), _best("qwen2.5-72b", 32, False)
     assert split.setup.pp > 1 and whole.setup.pp == 1
-    assert whole.step_time > 1.4 * split.step_time
+    assert whole.step_time > 1.8 * split.step_time

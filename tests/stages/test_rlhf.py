@@ -22,9 +22,8 @@ from canntrain_core.jobs.alignment_start import tiny_start, trained
 from canntrain_core.stages import make_trainer
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.trainer import runs_root
-from conftest import TINY
+from conftest import CONFIGS, TINY
 
-CONFIGS = Path(__file__).resolve().parents[1] / "cookbook" / "llama" / "configs"
 
 WORKDIR = runs_root() / "rlhf"  # the alignment notebooks' workdir under the suite's $CANNTRAIN_RUNS
 

@@ -6,11 +6,11 @@ Its execution is checked with nbmake:
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import nbformat
+from conftest import ROOT
 
-NB = Path(__file__).resolve().parents[1] / "cookbook" / "llama" / "memory_estimation.ipynb"
+NB = ROOT / "cookbook" / "llama" / "memory_estimation.ipynb"
 
 
 def test_notebook_is_committed_without_outputs_and_first_code_cell_is_parameters():
