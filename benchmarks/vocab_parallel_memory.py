@@ -22,16 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    vocab_size=151936,
-    tie_word_embeddings=False,
-)
+from canntrain_core.families.family import TINY_SHAPE
+
+# the tiny shape, one layer, 4 KV heads (TP4 divides them), Qwen's vocabulary, untied
+SHAPE = dict(TINY_SHAPE, num_hidden_layers=1, num_key_value_heads=4, vocab_size=151936, tie_word_embeddings=False)
 
 
 def worker(out: str, tokens: int) -> None:

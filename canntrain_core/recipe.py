@@ -70,7 +70,7 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _type_is_the_presets(self) -> "ModelConfig":
-        family = PRESET_FAMILY[self.preset].name
+        family = PRESET_FAMILY[self.preset].name  # (init_from's family is checked against config.json)
         if self.type is not None and not self.init_from and self.type != family:
             raise ValueError(f"model.type={self.type} but model.preset={self.preset} is a {family} model")
         return self

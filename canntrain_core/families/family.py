@@ -1,7 +1,7 @@
 """What a model family says about itself, as data: pure (no torch, no transformers), so the recipe schema, the
 memory estimator and the planner read it as well as the model builder, the TP plan and the kernels.
 
-A family names transformers' classes by their names; ``models/families.py`` resolves them. Everything that
+A family names transformers' classes by their names; ``models/classes.py`` resolves them. Everything that
 differs between families is a field here; code never branches on a family's name.
 """
 
@@ -21,6 +21,12 @@ TINY_SHAPE: dict[str, Any] = dict(
     vocab_size=4096,
     max_position_embeddings=2048,
 )
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window a config applies (Mistral's ``sliding_window``; Qwen's only with
+    ``use_sliding_window``), or None: the one reading of it for the fused attention and the trainer's check."""
+    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,14 @@ transformers' Qwen2ForCausalLM. Sliding-window attention (``use_sliding_window``
 
 from __future__ import annotations
 
-from canntrain_core.families.family import TINY_SHAPE, Family
+from canntrain_core.families.family import TINY_SHAPE, Family, sliding_window
 
 
 def window_refusal(config, seq_length: int) -> str:
     """The sliding window of Mistral and of Qwen's ``use_sliding_window``: canntrain's attention is plain
     causal, which equals the windowed one only while a sequence fits in the window."""
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) and window and seq_length > window:
+    window = sliding_window(config)
+    if window and seq_length > window:
         return (
             f"the model's sliding_window={window} (config.json, or model.overrides) is shorter than "
             f"data.seq_length={seq_length}: canntrain's "

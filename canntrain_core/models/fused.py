@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 import canntrain_kernels as kernels
 from canntrain_core.errors import RecipeError
 from canntrain_core.families import family_of
+from canntrain_core.families.family import sliding_window
 from canntrain_kernels.registry import Selection
 
 _PRECISION_DTYPES = {"fp32": ("fp32",), "bf16": ("fp32", "bf16"), "fp16": ("fp32", "fp16")}
@@ -74,11 +75,10 @@ class FusedLlamaAttention(LlamaAttention):
         q, k = self._rope(q, k, cos, sin)
         if cache is not None:  # generation: keys and values so far; queries align with the last ones
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        # Mistral's window (Qwen's only with use_sliding_window); the trainer refuses sequences longer than it
-        window = (
-            getattr(self.config, "sliding_window", None) if getattr(self.config, "use_sliding_window", True) else None
-        )
-        out = self._attention(q, k, v, causal=True, window=window, scale=self.scaling)  # [B, Hq, S, D]
+        # (the trainer refuses sequences longer than the window: transformers' own path applies none)
+        out = self._attention(
+            q, k, v, causal=True, window=sliding_window(self.config), scale=self.scaling
+        )  # [B, Hq, S, D]
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
 

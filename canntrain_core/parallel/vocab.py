@@ -19,6 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 
 
+def first_row(weight: DTensor) -> int:
+    """The vocabulary id of this rank's first row of a weight split evenly over rows (Shard(0); the layout
+    validator keeps the vocabulary divisible by tp)."""
+    return weight.device_mesh.get_local_rank() * (weight.shape[0] // weight.device_mesh.size())
+
+
 def vocab_sharded(weight: torch.Tensor) -> bool:
     """Whether ``weight`` (an output head's) is split over the vocabulary: a DTensor with Shard(0) on a mesh
     of one dimension (TP's, as FSDP2 presents it during forward)."""
@@ -59,10 +65,9 @@ def vocab_parallel_cross_entropy(h: torch.Tensor, weight: DTensor, targets: torc
     on every tp rank) and a vocabulary-sharded head ``weight`` (:func:`vocab_sharded`); fp32 logits, as the
     replicated path computes them."""
     mesh = weight.device_mesh
-    first = mesh.get_local_rank() * (weight.shape[0] // mesh.size())  # the layout validator keeps it even
     hd = DTensor.from_local(h, mesh, [Replicate()], run_check=False)
     logits = F.linear(hd, weight).to_local().float()  # [N, V/tp]: Shard(-1) of the logits
-    losses = _VocabParallelCrossEntropy.apply(logits, targets, first, mesh.get_group())
+    losses = _VocabParallelCrossEntropy.apply(logits, targets, first_row(weight), mesh.get_group())
     return losses.sum() / (targets != -100).sum().clamp(min=1)
 
 
@@ -76,8 +81,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        rows = w.to_local()
-        first = w.device_mesh.get_local_rank() * rows.shape[0]
+        rows, first = w.to_local(), first_row(w)
         outside = (ids < first) | (ids >= first + rows.shape[0])
         out = F.embedding((ids - first).masked_fill(outside, 0), rows).masked_fill(outside[..., None], 0.0)
         summed = DTensor.from_local(out, w.device_mesh, [Partial()], run_check=False)

@@ -55,7 +55,7 @@ def _per_token(shape: ModelShape, setup: TrainSetup) -> tuple[float, float]:
     if setup.precision == "fp32":
         replicated = 24 * h + 8
         sharded = 8 * h + 8 * kv + 4 * a + mlp_fp32
-    elif half and setup.zero >= 1 and setup.dp * setup.cp > 1:
+    elif half and setup.fsdp_mixed_precision:
         # FSDP2's MixedPrecisionPolicy: the layer's inputs arrive in 16 bits, so the linears' inputs need no
         # cast of their own (the norms still compute, and save, in fp32)
         replicated = 16 * h + 8

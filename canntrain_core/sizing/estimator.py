@@ -161,8 +161,7 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     # 16 bits (MixedPrecisionPolicy) or fp32, kept from forward to backward by ZeRO-1/2 and pipelines;
     # gradients reduce-scattered after each micro-batch, except that ZeRO-1 under accumulation and
     # pipeline schedules accumulate them unsharded (fp32) until the step's last micro-batch.
-    fsdp = s.zero >= 1 and shard > 1
-    mp = fsdp and s.precision != "fp32"
+    fsdp, mp = s.fsdp, s.fsdp_mixed_precision
     c_b = 2 if mp else p_b  # bytes of a gathered parameter
     keeps_gathered = fsdp and (s.zero < 3 or s.pp > 1)
     full_grads = fsdp and (s.pp > 1 or (s.zero == 1 and s.microbatches > 1))

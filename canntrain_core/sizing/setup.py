@@ -78,6 +78,16 @@ class TrainSetup:
         return self.layout.world_size
 
     @property
+    def fsdp(self) -> bool:
+        """Data parallel by FSDP2: ZeRO 1-3 over more than one data (and context) parallel rank."""
+        return self.zero >= 1 and self.dp * self.cp > 1
+
+    @property
+    def fsdp_mixed_precision(self) -> bool:
+        """FSDP2's 16-bit MixedPrecisionPolicy: gathered weights and a layer's inputs in 16 bits."""
+        return self.fsdp and self.precision != "fp32"
+
+    @property
     def microbatches(self) -> int:
         """Micro-batches per optimizer step (what the pipeline schedule sees)."""
         return self.num_microbatches or self.grad_accum
