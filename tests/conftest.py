@@ -193,7 +193,11 @@ def write_hf_model(
     from canntrain_core.families import FAMILIES
 
     f = FAMILIES[family]
-    fields = {k: v for k, v in f.presets[f.tiny].items() if k not in ("vocab_size", "tie_word_embeddings")}
+    fields = {  # the family's common fields too (GPT-2's: no dropout, so train-mode logits compare)
+        k: v
+        for k, v in {**f.common, **f.presets[f.tiny]}.items()
+        if k not in ("vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+    }
     fields["max_position_embeddings"] = 256
     config = AutoConfig.for_model(
         f.model_types[0],

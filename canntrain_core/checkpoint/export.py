@@ -1,6 +1,7 @@
 """``canntrain export``: a canntrain checkpoint (DCP, any layout) to a Hugging Face model directory.
 
-Writes what transformers' ``save_pretrained`` writes for a Llama: ``config.json``,
+Writes what transformers' ``save_pretrained`` writes for the model's family (GPT-2's tensors in its files'
+names and layouts, ``models.hf.to_hf_layout``): ``config.json``,
 ``generation_config.json`` (``model.init_from``'s when it had one), ``model.safetensors`` or shards plus
 ``model.safetensors.index.json``, and the tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (its
 special tokens) + ``chat_template.jinja`` (the template the run formatted conversations with: the
@@ -28,6 +29,7 @@ import torch
 
 from canntrain_core.checkpoint.dcp import CheckpointError, latest_checkpoint, single_process_ok, verify_checkpoint
 from canntrain_core.errors import BadInput
+from canntrain_core.models.hf import to_hf_layout
 from canntrain_core.models.lora import is_adapter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -188,7 +190,7 @@ def export_hf(
         if lora and not merge:
             done = _write_adapter(ckpt, stored_language_model(ckpt)[0], recipe, tmp, DTYPES[dtype])
         else:
-            shapes, load = language_model_tensors(ckpt, recipe, config, merge, "--merge")
+            shapes, load = to_hf_layout(config, *language_model_tensors(ckpt, recipe, config, merge, "--merge"))
             done = _write_shards(tmp, shapes, load, DTYPES[dtype], parse_size(max_shard_size))
             config.save_pretrained(tmp)
             _write_generation_config(ckpt, config, tmp)

@@ -51,3 +51,21 @@ class Family:
     # config -> why canntrain cannot train this configuration of the family ('' when it can), one line
     # naming the config key.
     unsupported: Callable[[Any, int], str] = lambda config, seq_length: ""
+    # The estimator's block kind (sizing/shapes.py): "llama" (RMSNorm, RoPE, SwiGLU) or "gpt" (LayerNorm,
+    # learned positions, GELU MLP, biases).
+    shape_kind: str = "llama"
+    # Config keys by their Llama names where the family's config calls them otherwise ("" : it has none).
+    config_keys: dict[str, str] = field(default_factory=dict)
+    # canntrain's own module tree for the family (a class of models/, Llama's module names) where transformers'
+    # tree cannot be split by TP as it stands (GPT-2's fused, transposed q/k/v); "": transformers' class.
+    own_class: str = ""
+    # How canntrain's parameter names map onto the Hugging Face files' where they differ: (canntrain's name
+    # pattern, Hugging Face name ({0}: the layer), stored transposed, part of the HF tensor's last dimension,
+    # parts). Empty: the same names and layouts (transformers' own modules).
+    hf_names: tuple[tuple[str, str, bool, int, int], ...] = ()
+    # Residual output projections initialised with std / sqrt(2 x layers) (GPT-2's scheme); names' endings.
+    scaled_init: tuple[str, ...] = ()
+
+    def config_key(self, name: str) -> str:
+        """The family config's key for the Llama-named ``name`` ('' when the family has no such field)."""
+        return self.config_keys.get(name, name)

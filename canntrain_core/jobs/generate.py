@@ -166,7 +166,7 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
 def _build(config, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, where: Path):
     """The CausalLM of ``config`` on ``device`` in ``dtype``, its parameters ``tensors`` (Hugging Face names;
     a tied model may leave out lm_head.weight)."""
-    from canntrain_core.models.classes import causal_lm_class
+    from canntrain_core.models.classes import training_class
     from canntrain_core.models.init import reset_buffers
     from canntrain_core.models.lifecycle import tie_head
     from canntrain_core.models.lm import CausalLM
@@ -175,7 +175,7 @@ def _build(config, tensors: dict[str, torch.Tensor], device: torch.device, dtype
     if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
         config.tie_word_embeddings = False  # a head that differs from the embedding is what was trained
     with torch.device("meta"):
-        hf_model = causal_lm_class(config)(config)
+        hf_model = training_class(config)(config)
     hf_model.to_empty(device=device)
     missing, _ = hf_model.load_state_dict(tensors, strict=False)
     model = CausalLM(hf_model)

@@ -34,7 +34,7 @@ def rss_bytes() -> int:
 def measure(out: str | Path, overrides: dict, path: str = "meta") -> dict:
     import torch
     import torch.distributed as dist
-    from canntrain_core.models.classes import causal_lm_class
+    from canntrain_core.models.classes import training_class
 
     from canntrain_core.models.lifecycle import build_training_model
     from canntrain_core.models.lm import CausalLM
@@ -58,7 +58,7 @@ def measure(out: str | Path, overrides: dict, path: str = "meta") -> dict:
     if path == "meta":
         model = build_training_model(recipe, config, torch.device("cpu"), mesh, dims).model
     elif path == "host":
-        model = CausalLM(causal_lm_class(config)(config))
+        model = CausalLM(training_class(config)(config))
         parallelize(model, mesh, dims, recipe, torch.device("cpu"))
     else:
         raise ValueError(f"path must be 'meta' or 'host', got {path!r}")

@@ -145,26 +145,27 @@ def apply_kernels(model: torch.nn.Module, model_config: Any, device: str | None 
     # the family's modules that compute what the fused ones do (Qwen3's attention, with its per-head norms,
     # is not one of them: it keeps transformers' forward)
     kinds = family_of(config).kernel_modules if config is not None else {}
-    swapped = 0
+    used = {"cross_entropy"}  # the loss applies to every family (CausalLM.head_loss)
     for module in model.modules():
         kind = kinds.get(type(module).__name__)
         if kind == "norm":
             module.__class__ = FusedRMSNorm
             module._kernel = fns["rms_norm"]
+            used.add("rms_norm")
         elif kind == "mlp":
             module.__class__ = FusedLlamaMLP
             module._kernel = fns["swiglu"]
+            used.add("swiglu")
         elif kind == "attention":
             module.__class__ = FusedLlamaAttention
             module._rope, module._attention = fns["apply_rotary"], fns["attention"]
-        else:
-            continue
-        swapped += 1
-    if swapped == 0:
+            used |= {"apply_rotary", "attention"}
+    if (kinds or config is None) and used == {"cross_entropy"}:
         raise TypeError(
             f"apply_kernels: no norm, MLP or attention modules the kernels replace in {type(model).__name__}"
         )
-    model.canntrain_kernels = chosen
+    # what this model runs (GPT-2, whose family lists no modules, runs the loss kernel only)
+    model.canntrain_kernels = {op: sel for op, sel in chosen.items() if op in used}
     return model
 
 

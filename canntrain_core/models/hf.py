@@ -7,7 +7,10 @@ Each rank reads only the slices it holds, straight into its (DTensor) shards, wi
 
 Names: canntrain's module tree keeps transformers' own Llama names (``model.layers.3.mlp.up_proj.weight``,
 ``lm_head.weight``), so the one table between the two, ``WRAPPERS``, only lists the wrapper modules
-that parallel training inserts and the Hugging Face names leave out.
+that parallel training inserts and the Hugging Face names leave out. A family whose files use another tree
+(GPT-2's transposed, fused ``c_attn``) says how its names and layouts map (``Family.hf_names``): each rank
+then reads its slices of the files' tensors through that map (:func:`hf_source`), and export writes the files'
+tensors back from canntrain's (:func:`to_hf_layout`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from canntrain_core.errors import BadInput
+from canntrain_core.families import family_of
 from canntrain_core.models.classes import causal_lm_class, config_from_dict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # canntrain never downloads (DESIGN: no downloads at run time)
@@ -40,6 +45,44 @@ def hf_name(name: str) -> str:
     for wrapper in WRAPPERS:
         name = name.replace(wrapper, "")
     return name
+
+
+def hf_source(config, name: str) -> tuple[str, bool, int, int]:
+    """Where canntrain's parameter ``name`` (its Hugging Face-style name) lives in the family's files: (the
+    files' tensor, stored transposed, which part of that tensor's last dimension, of how many parts)."""
+    for pattern, template, transposed, part, parts in family_of(config).hf_names:
+        found = re.fullmatch(pattern, name)
+        if found:
+            return template.format(*found.groups()), transposed, part, parts
+    return name, False, 0, 1
+
+
+def hf_shape(config, name: str, shape) -> list[int]:
+    """The shape of the files' tensor that holds canntrain's ``name`` of ``shape``."""
+    _, transposed, _, parts = hf_source(config, name)
+    full = list(shape)[::-1] if transposed else list(shape)
+    return full[:-1] + [full[-1] * parts]
+
+
+def to_hf_layout(config, shapes: dict[str, Any], load):
+    """canntrain's tensors (``shapes`` by name, ``load(names)`` -> whole tensors) as the family's files hold
+    them: (files' name -> shape, ``load(files' names)`` -> whole tensors). Identity for transformers' trees."""
+    if not family_of(config).hf_names:
+        return shapes, load
+    pieces: dict[str, list[tuple[int, str, bool]]] = {}
+    for name in shapes:
+        target, transposed, part, _ = hf_source(config, name)
+        pieces.setdefault(target, []).append((part, name, transposed))
+    hf_shapes = {}
+    for target, parts in pieces.items():
+        name = parts[0][1]
+        hf_shapes[target] = torch.Size(hf_shape(config, name, shapes[name]))
+
+    def hf_load(names: list[str]) -> dict[str, torch.Tensor]:
+        ours = load([n for t in names for _, n, _ in pieces[t]])
+        return {t: torch.cat([ours[n].T if tr else ours[n] for _, n, tr in sorted(pieces[t])], dim=-1) for t in names}
+
+    return hf_shapes, hf_load
 
 
 def read_config(directory: str | Path):
@@ -105,7 +148,7 @@ def check_weights(config, directory: str | Path) -> None:
     the headers only; the model is built on ``meta``.
     """
     d = Path(directory)
-    available = weight_files(d)
+    available = _with_prefix(weight_files(d), config)
     with torch.device("meta"):
         expected = {n: list(t.shape) for n, t in causal_lm_class(config)(config).state_dict().items()}
     if config.tie_word_embeddings:
@@ -123,7 +166,7 @@ def check_weights(config, directory: str | Path) -> None:
         if have is None or have["shape"] == shape:
             continue
         problems.append(f"{name} in {have['file']}: shape {have['shape']}, the model needs {shape}")
-    layers = {int(n.split(".")[2]) for n in available if n.startswith("model.layers.")}
+    layers = {int(m[1]) for m in (re.match(r"\w+\.(?:layers|h)\.(\d+)\.", n) for n in available) if m}
     if layers and max(layers) + 1 != config.num_hidden_layers:
         keys["num_hidden_layers"] = (
             f"config.json's num_hidden_layers={config.num_hidden_layers} disagrees with the "
@@ -145,7 +188,9 @@ def check_weights(config, directory: str | Path) -> None:
         )
     if not keys:  # what is left is not explained by one key: name the tensors
         missing = [n for n in expected if n not in available]
-        unused = [n for n in available if n not in expected]
+        ignorable = getattr(causal_lm_class(config), "_keys_to_ignore_on_load_unexpected", None) or []
+        ignored = [re.compile(p) for p in ignorable]  # buffers older files hold (GPT-2's attn.bias)
+        unused = [n for n in available if n not in expected and not any(i.search(n) for i in ignored)]
         problems += [f"{n}: missing from {d} (no safetensors file holds it)" for n in missing]
         problems += [f"{n} in {available[n]['file']}: not a tensor of the model config.json describes" for n in unused]
     lines = list(keys.values()) or problems  # a wrong key shows in many tensors: say the key
@@ -205,24 +250,65 @@ def load_weights(model: torch.nn.Module, directory: str | Path, skip=lambda name
     from canntrain_core.checkpoint.dcp import single_process_ok
 
     d = Path(directory)
-    available = weight_files(d)
+    available = _with_prefix(weight_files(d), model.config)
     state = {hf_name(n): p for n, p in model.named_parameters() if not skip(n)}
     problems = []
     for key, p in state.items():
-        if key not in available:
-            problems.append(f"{key}: missing from {d} (no safetensors file holds it)")
-        elif list(p.shape) != available[key]["shape"]:
+        source = hf_source(model.config, key)[0]
+        want = hf_shape(model.config, key, p.shape)
+        if source not in available:
+            problems.append(f"{source}: missing from {d} (no safetensors file holds it)")
+        elif want != available[source]["shape"]:
             problems.append(
-                f"{key} in {available[key]['file']}: shape {available[key]['shape']}, the model needs {list(p.shape)}"
+                f"{source} in {available[source]['file']}: shape {available[source]['shape']}, the model needs {want}"
             )
     if problems:
         raise HFFormatError(f"model.init_from: {d} does not fit the model:\n  " + "\n  ".join(problems))
-    with single_process_ok():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)))
+    if family_of(model.config).hf_names:
+        for key, p in state.items():
+            _read_mapped(p, key, model.config, d, available)
+    else:
+        with single_process_ok():
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)))
     return [
-        {"tensor": key, "file": available[key]["file"], "shape": list(p.shape), "slice": _slice(p)}
+        {"tensor": key, "file": available[hf_source(model.config, key)[0]]["file"], "shape": list(p.shape)}
+        | {"slice": _slice(p)}
         for key, p in state.items()
     ]
+
+
+def _with_prefix(available: dict[str, dict[str, Any]], config) -> dict[str, dict[str, Any]]:
+    """The files' tensors by the names of transformers' ...ForCausalLM: a base model's files (GPT-2's on the hub:
+    ``h.0.attn.c_attn.weight``) gain its ``base_model_prefix`` (``key``: the name in the file)."""
+    prefix = causal_lm_class(config).base_model_prefix + "."
+    bare = available and not any(n.startswith(prefix) for n in available) and family_of(config).hf_names
+    return {(prefix + n if bare and n != "lm_head.weight" else n): {**v, "key": n} for n, v in available.items()}
+
+
+def _read_mapped(p: torch.Tensor, key: str, config, d: Path, available: dict[str, dict[str, Any]]) -> None:
+    """This rank's slice of canntrain's parameter ``key`` read from the files' tensor that holds it (a
+    transposed, fused or renamed one): only the slice is read."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    source, transposed, part, parts = hf_source(config, key)
+    shape, offset = tuple(p.shape), (0,) * p.dim()
+    local = p
+    if isinstance(p, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        local = p.to_local()
+    if local.numel() == 0:
+        return
+    ours = [slice(o, o + n) for n, o in zip(shape, offset)]
+    theirs = ours[::-1] if transposed else list(ours)
+    if parts > 1:  # the part's place along the files' last dimension (our first)
+        shift = part * p.shape[0]
+        theirs[-1] = slice(theirs[-1].start + shift, theirs[-1].stop + shift)
+    stored = available[source]
+    with safe_open(str(d / stored["file"]), framework="pt") as f:
+        piece = f.get_slice(stored["key"])[tuple(theirs)]
+    local.copy_(piece.T if transposed else piece)
 
 
 def _slice(p: torch.Tensor) -> str:

@@ -9,16 +9,19 @@ the embedding: 32000 x 8192 x 4 B = 1 GiB for Llama-2 70B), and a model initiali
 FSDP2 x TP2 on 4 ranks, or PP2, holds exactly what one process holds (same device type).
 
 The distributions are transformers' own for its families: normal(0, initializer_range) for linear and
-embedding weights, zeros for biases, ones for the RMSNorm weights (Qwen3's per-head q/k norms too).
+embedding weights, zeros for biases, ones for the norm weights (Qwen3's per-head q/k norms too), and for
+GPT-2 the residual output projections at initializer_range / sqrt(2 x layers) (``Family.scaled_init``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from canntrain_core.families import family_of
 from canntrain_core.models.hf import hf_name
 
 
@@ -44,10 +47,13 @@ def initial_value(name: str, shape: torch.Size, std: float, seed: int, device: t
 def init_weights(model: torch.nn.Module, config, seed: int, only=lambda name: True) -> None:
     """Fill every parameter of a materialized (``to_empty``) model that ``only(name)`` selects, one full
     parameter at a time."""
+    scaled = family_of(config).scaled_init
     for name, p in model.named_parameters():
         if not only(name):
             continue
-        full = initial_value(hf_name(name), p.shape, config.initializer_range, seed, p.device)
+        key = hf_name(name)
+        std = config.initializer_range / (math.sqrt(2 * config.num_hidden_layers) if key.endswith(scaled) else 1)
+        full = initial_value(key, p.shape, std, seed, p.device)
         if isinstance(p, DTensor):
             full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
         p.copy_(full)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from canntrain_core.models.classes import causal_lm_class
+from canntrain_core.models.classes import training_class
 from canntrain_core.models.fused import apply_kernels, loss_cross_entropy
 from canntrain_core.models.hf import load_weights
 from canntrain_core.models.init import init_weights, reset_buffers
@@ -55,7 +55,7 @@ def build_meta_model(
     m = recipe.model
     dims = dims or ParallelDims.from_recipe(recipe)
     with torch.device("meta"):
-        hf_model = causal_lm_class(config)(config)
+        hf_model = training_class(config)(config)
     if recipe.lora.enabled:
         apply_lora(hf_model, recipe.lora)
     cross_entropy = plain_cross_entropy

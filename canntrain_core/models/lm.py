@@ -1,4 +1,5 @@
-"""CausalLM: runs a transformers Llama's parts (embed -> layers -> norm -> head -> loss) itself.
+"""CausalLM: runs a family model's parts (embed -> layers -> norm -> head -> loss) itself: transformers' Llama,
+Qwen and Mistral trees, or canntrain's GPT-2 tree of the same names (``models/gpt2.py``).
 
 Why not call LlamaForCausalLM.forward? Three reasons, all from parallel training:
 - FSDP2 and DDP hook the *root* module's forward, so the loss must be computed inside it;
@@ -25,7 +26,7 @@ class CausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module, cross_entropy: Callable = plain_cross_entropy):
         super().__init__()
         self.config = hf_model.config
-        self.model = hf_model.model  # LlamaModel: embed_tokens, layers, norm, rotary_emb
+        self.model = hf_model.model  # LlamaModel: embed_tokens, layers, norm, rotary_emb (GPT-2: embed_positions)
         self.lm_head = hf_model.lm_head
         self.cross_entropy = cross_entropy
 
@@ -58,8 +59,13 @@ class CausalLM(nn.Module):
         if segment_ids is not None:  # block-diagonal causal: a token sees earlier tokens of its own sample
             same = segment_ids[:, :, None] == segment_ids[:, None, :]
             mask = (same & torch.ones_like(same[0], dtype=torch.bool).tril())[:, None]
-        h = m.embed_tokens(x) if m.embed_tokens is not None else x
-        rope = m.rotary_emb(h, position_ids=positions)
+        h = x
+        if m.embed_tokens is not None:  # the first pipeline stage
+            h = m.embed_tokens(x)
+            learned = getattr(m, "embed_positions", None)  # GPT-2's learned absolute positions
+            if learned is not None:
+                h = m.drop(h + learned(positions))
+        rope = m.rotary_emb(h, position_ids=positions) if m.rotary_emb is not None else None
         for layer in self.layers():
             h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rope, cache=cache)
         if self.lm_head is None:

@@ -9,7 +9,8 @@ import torch
 
 from canntrain_core.errors import BadInput
 from canntrain_core.families import family_of, family_of_preset
-from canntrain_core.models.classes import causal_lm_class, config_class
+from canntrain_core.models.classes import config_class, training_class
+from canntrain_core.models.init import init_weights
 from canntrain_core.sizing.presets import PRESETS, preset_fields
 
 
@@ -61,11 +62,13 @@ def build_model(
     config = build_config(preset, overrides, vocab_size)
     if torch.device(device).type == "meta":
         with torch.device("meta"):
-            return causal_lm_class(config)(config)
+            return training_class(config)(config)
     # Seed a private generator-free block so model init never depends on earlier RNG use.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = causal_lm_class(config)(config)
+        model = training_class(config)(config)
+    if family_of(config).own_class:  # canntrain's own tree: its init is models.init's
+        init_weights(model, config, seed)
     return model.to(device)
 
 

@@ -33,6 +33,8 @@ def split_stage(model, stage: int, stages: int) -> None:
     model.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in keep})
     if stage > 0:
         model.model.embed_tokens = None
+        if hasattr(model.model, "embed_positions"):  # GPT-2's learned positions go with the embedding
+            model.model.embed_positions = None
     if stage < stages - 1:
         model.model.norm = None
         model.lm_head = None

@@ -3,7 +3,8 @@
 Column-parallel q/k/v and gate/up projections (their biases, Qwen2's, split with them), row-parallel o and
 down projections: each layer all-reduces after attention and after the MLP. Heads are split across the `tp`
 ranks (transformers' attention infers the local head count from the projection width). Every family of
-``canntrain_core/families/`` names its layers as Llama does; a norm applied per head (Qwen3's q_norm and
+``canntrain_core/families/`` names its layers as Llama does (GPT-2's MLP has no gate: a plan entry applies
+where the layer has the module); a norm applied per head (Qwen3's q_norm and
 k_norm, ``Family.head_norms``) sees only its rank's heads, so its weight is replicated over tp and its
 gradient summed over it (torch's SequenceParallel style, the split being the heads' dimension).
 
@@ -69,6 +70,14 @@ def _sequence_parallel_layer_plan() -> dict:
     }
 
 
+def _has(layer, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
 def _head_norm_plan(config) -> dict:
     """The family's per-head norms: their input [batch, seq, local heads, head_dim] is split over the heads."""
     return {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in family_of(config).head_norms}
@@ -91,7 +100,7 @@ def apply_tp(model, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocab_
         apply_vocab_parallel(model, tp_mesh, sequence_parallel)
     if not sequence_parallel:
         for layer in model.layers():
-            plan = {name: style() for name, style in LAYER_PLAN.items()}
+            plan = {name: style() for name, style in LAYER_PLAN.items() if _has(layer, name)}
             parallelize_module(layer, tp_mesh, {**plan, **head_norms})
         return
     m = model.model

@@ -137,7 +137,8 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     # ---- element counts per rank, before ZeRO
     layer_elems = sum(o * i for _, o, i in matrices) // tp + _vectors_per_rank(shape, tp)
     vtp = tp if s.vocab_parallel else 1
-    emb = shape.embedding_params() // vtp if st.embedding else 0
+    tokens = shape.vocab_size * h  # the embedding's rows split over the vocabulary; GPT-2's positions whole
+    emb = shape.embedding_params() - tokens + tokens // vtp if st.embedding else 0
     head = 0
     if st.head:
         head = (

@@ -1,8 +1,8 @@
 """Model shapes the memory estimator works on: llama (GQA aware), gpt and MoE.
 
-The recipe schema only knows llama presets today (``model.type: llama``), so the gpt and MoE
-shapes the estimator and the plan search also cover live here, in :data:`EXTRA_SHAPES`, until the
-schema grows them. A :class:`ModelShape` is all the estimator needs: no weights, no torch.
+Every family of ``canntrain_core/families/`` has a shape (its ``shape_kind``: GPT-2's is gpt); the shapes
+the estimator and the plan search cover without model code (GPT-3 sizes, Mixtral) live here, in
+:data:`EXTRA_SHAPES`. A :class:`ModelShape` is all the estimator needs: no weights, no torch.
 """
 
 from __future__ import annotations
@@ -199,13 +199,14 @@ def shape_of(config: Any, family: Family | None = None) -> ModelShape:
     family = family or family_of(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_key = family.config_key("num_key_value_heads")
     return ModelShape(
-        "llama",
+        family.shape_kind,
         config.hidden_size,
-        config.intermediate_size,
+        getattr(config, family.config_key("intermediate_size")) or 4 * config.hidden_size,  # GPT-2's n_inner: None
         config.num_hidden_layers,
-        config.num_attention_heads,
-        config.num_key_value_heads or config.num_attention_heads,
+        heads,
+        (getattr(config, kv_key) if kv_key else None) or heads,
         config.vocab_size,
         tie_embeddings=bool(config.tie_word_embeddings),
         max_positions=config.max_position_embeddings,
@@ -220,12 +221,13 @@ def shape_of(config: Any, family: Family | None = None) -> ModelShape:
 def rebuild_recipe(shape: ModelShape) -> dict[str, Any]:
     """Recipe keys (``model.preset``, ``model.overrides``) that rebuild ``shape`` with its family's model code
     (for measuring): the family's tiny preset with every shape field overridden."""
-    if shape.kind != "llama":
+    if shape.family not in FAMILIES or FAMILIES[shape.family].shape_kind != shape.kind:
         raise NotImplementedError(
             f"measuring needs model code; only the families of canntrain_core/families/ can be built (this "
             f"shape is {shape.kind!r}); use the analytic estimate"
         )
-    overrides = dict(
+    family = FAMILIES[shape.family]
+    sizes = dict(
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers,
@@ -235,6 +237,7 @@ def rebuild_recipe(shape: ModelShape) -> dict[str, Any]:
         tie_word_embeddings=shape.tie_embeddings,
         max_position_embeddings=shape.max_positions,
     )
+    overrides = {family.config_key(k): v for k, v in sizes.items() if family.config_key(k)}
     if shape.explicit_head_dim:
         overrides["head_dim"] = shape.explicit_head_dim
-    return {"model.preset": FAMILIES[shape.family].tiny, "model.overrides": overrides}
+    return {"model.preset": family.tiny, "model.overrides": overrides}

@@ -7,6 +7,8 @@ inside measure_fake; the last test checks nothing leaks.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch.distributed as dist
 
@@ -29,6 +31,10 @@ CASES = {
     "tiny-qwen2-bf16": ("tiny-qwen2", None, dict(micro_batch=2, seq_length=128)),
     "tiny-qwen3-bf16": ("tiny-qwen3", None, dict(micro_batch=2, seq_length=128)),
     "tiny-mistral-fp32": ("tiny-mistral", None, dict(micro_batch=2, seq_length=128, precision="fp32")),
+    # GPT-2: LayerNorm, learned positions, a GELU MLP, biases everywhere, the head tied (canntrain's own tree)
+    "tiny-gpt2-bf16": ("tiny-gpt2", None, dict(micro_batch=2, seq_length=128)),
+    # its vocabulary padded as nanoGPT pads it (50,257 -> 50,304) so that tp divides it
+    "gpt2-2L-bf16-tp2": ("gpt2", 2, dict(micro_batch=2, seq_length=1024, tp=2, sequence_parallel=False)),
     "qwen3-0.6b-2L-bf16": ("qwen3-0.6b", 2, dict(micro_batch=1, seq_length=2048)),
     "qwen2.5-7b-2L-tp2": (
         "qwen2.5-7b",
@@ -42,6 +48,8 @@ CASES = {
 def test_analytic_matches_fake_mode_measurement(name):
     preset, layers, kw = CASES[name]
     shape = shape_from_preset(preset, {"num_hidden_layers": layers} if layers else None)
+    if preset == "gpt2":
+        shape = replace(shape, vocab_size=50304)
     setup = TrainSetup(**kw)
     est, meas = estimate(shape, setup), measure_fake(shape, setup)
     assert abs(est.model_states - meas.model_states) <= 0.02 * meas.model_states, (est.states, meas.states)

@@ -119,7 +119,7 @@ def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(fam
     with torch.no_grad():
         assert (saved["logits"] - hf(IDS).logits).abs().max() <= LOGITS_TOL
     q = next(r for r in saved["loaded"] if r["tensor"] == "model.layers.0.self_attn.q_proj.weight")
-    rows = hf.model.layers[0].self_attn.q_proj.out_features  # rank 0's quarter: TP rows, then FSDP's half
+    rows = single.model.layers[0].self_attn.q_proj.out_features  # rank 0's quarter: TP rows, then FSDP's half
     assert q["shape"] == [rows, 128] and q["slice"] == f"[0:{rows // 4}, 0:128]"
 
 
@@ -209,7 +209,7 @@ def test_a_tied_model_from_hf_trains_tied_and_exports_what_it_trained(family, tm
     assert main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 0
     assert "lm_head.weight" not in _tensor_names(tmp_path / "out")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    assert loaded.config.tie_word_embeddings and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert loaded.config.tie_word_embeddings and loaded.lm_head.weight is loaded.get_input_embeddings().weight
     model.eval()
     with torch.no_grad():
         assert (loaded(IDS).logits - model(IDS)).abs().max() <= LOGITS_TOL

@@ -84,6 +84,14 @@ def test_overrides_and_errors(stock):
         apply_kernels(torch.nn.Linear(2, 2), ModelConfig())
 
 
+def test_a_family_without_fused_modules_runs_the_loss_kernel_only():
+    """GPT-2's LayerNorm, GELU MLP and learned positions are no Llama block: the recipe's kernels choose its loss,
+    and describe() names only that."""
+    gpt2 = apply_kernels(build_model("tiny-gpt2", vocab_size=VOCAB), ModelConfig(kernels="auto"))
+    assert set(gpt2.canntrain_kernels) == {"cross_entropy"}
+    assert describe(gpt2).startswith("cross_entropy")
+
+
 def test_generation_still_works(stock):
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
     fused = apply_kernels(copy.deepcopy(stock), ModelConfig(kernels="eager")).eval()

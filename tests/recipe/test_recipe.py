@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from canntrain_core.recipe import RecipeError, load_recipe, save_resolved
-from conftest import CONFIGS
+from conftest import CONFIGS, ROOT
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -16,7 +16,7 @@ def write(tmp_path: Path, text: str) -> Path:
     return p
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(ROOT.glob("cookbook/*/configs/*.yaml")), ids=lambda p: p.name)
 def test_cookbook_recipes_load(path):
     recipe = load_recipe(path)
     d = recipe.distributed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from canntrain_core.sizing.presets import PRESETS
 
@@ -116,20 +117,30 @@ PUBLIC = {
     "qwen3-8b": 8_190_735_360,
     "qwen3-32b": 32_762_123_264,
     "mistral-7b": 7_248_023_552,
+    "gpt2": 124_439_808,  # openai-community/gpt2: the head tied, 1,024 learned positions
+    "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
 }
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_counts_the_same_in_the_builder_and_the_estimator(preset):
-    """The family's transformers class on meta and the estimator's shape agree on every preset, biases and
-    per-head norms included; the public ones equal the published totals."""
+    """The family's class on meta (canntrain's own tree where it has one, and transformers' too), and the
+    estimator's shape agree on every preset, biases and per-head norms included; the public ones equal the
+    published totals."""
     from canntrain_core.families import PRESET_FAMILY
+    from canntrain_core.models.classes import causal_lm_class
     from canntrain_core.models.registry import build_model, count_parameters
 
     model = build_model(preset, device="meta")
-    assert type(model).__name__ == PRESET_FAMILY[preset].causal_lm_class
+    family = PRESET_FAMILY[preset]
+    assert type(model).__name__ == (family.own_class or family.causal_lm_class)
+    with torch.device("meta"):
+        theirs = causal_lm_class(model.config)(model.config)
     assert (
         count_parameters(model)
+        == count_parameters(theirs)
         == shape_from_preset(preset).num_params()
         == PUBLIC.get(preset, LLAMA3.get(preset, count_parameters(model)))
     )
