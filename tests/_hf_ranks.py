@@ -3,7 +3,8 @@ rank holds.
 
     torchrun --nproc_per_node 4 tests/_hf_ranks.py OUT HF_DIR [HF_DIR ...]
 
-For each HF_DIR (a family's tiny model, written by transformers) and each layout (FSDP2 x TP2; PP2 x FSDP2)
+For each HF_DIR (a family's tiny model, written by transformers) and each layout (FSDP2 x TP2, with and without
+sequence parallel; PP2 x FSDP2)
 it builds the model twice, seeded from the family's tiny preset and from HF_DIR (``model.init_from``), and
 saves to OUT/<family>-<layout>-<init|hf>-rank<R>.pt the full value of every parameter this rank's stage holds
 (gathered over its data/tensor-parallel peers); for the HF build without a pipeline also the logits of a fixed
@@ -30,6 +31,12 @@ LAYOUTS = {
         "distributed.data_parallel_size": 2,
         "distributed.zero_optimization": 3,
         "distributed.tensor_parallel_size": 2,
+    },
+    "fsdp2_tp2_sp": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 3,
+        "distributed.tensor_parallel_size": 2,
+        "distributed.sequence_parallel": True,
     },
     "pp2_fsdp2": {
         "distributed.data_parallel_size": 2,

@@ -23,10 +23,15 @@ TINY_SHAPE: dict[str, Any] = dict(
 )
 
 
-def sliding_window(config: Any) -> int | None:
-    """The attention window a config applies (Mistral's ``sliding_window``; Qwen's only with
-    ``use_sliding_window``), or None: the one reading of it for the fused attention and the trainer's check."""
-    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's attention window (None: causal over the whole sequence): Mistral's ``sliding_window`` on
+    every layer; Qwen's on the layers its ``layer_types`` mark sliding (``use_sliding_window``, from
+    ``max_window_layers`` on). The one reading of it for CausalLM's masks and the fused attention."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * config.num_hidden_layers
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,6 @@ class Family:
     # TP: norms applied per attention head (their input is split over heads): their weights are replicated
     # over tp and their gradients summed over it.
     head_norms: tuple[str, ...] = ()
-    # config -> why canntrain cannot train this configuration of the family ('' when it can), one line
-    # naming the config key.
-    unsupported: Callable[[Any, int], str] = lambda config, seq_length: ""
     # The estimator's block kind (sizing/shapes.py): "llama" (RMSNorm, RoPE, SwiGLU) or "gpt" (LayerNorm,
     # learned positions, GELU MLP, biases).
     shape_kind: str = "llama"

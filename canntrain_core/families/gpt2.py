@@ -5,8 +5,7 @@ Its tree does not split over TP as it stands: transformers' ``Conv1D`` stores ea
 ([in, out]) and fuses q, k and v into one ``c_attn`` whose column blocks a plain row split would cut across
 heads. canntrain builds GPT-2 with Llama's module names (``models/gpt2.py``: q/k/v/o_proj, up/down_proj,
 nn.Linear) and maps the names and layouts onto the files' here (``hf_names``): c_attn's three column blocks
-are q, k and v, each transposed. Sequence parallelism (the positions are added after the embedding, which SP
-splits along the sequence) and LoRA (peft's GPT-2 adapters wrap the fused c_attn) are not built for it.
+are q, k and v, each transposed. LoRA is not built for it (peft's GPT-2 adapters wrap the fused c_attn).
 """
 
 from __future__ import annotations

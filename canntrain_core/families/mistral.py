@@ -1,11 +1,10 @@
 """Mistral 7B: the Llama block (GQA with 8 KV heads, SwiGLU, RMSNorm); v0.3's 32,768-token vocabulary and
-RoPE theta 1e6, no sliding window. v0.1's 4,096-token sliding window trains only sequences that fit in it
-(canntrain's attention is causal over the whole sequence). transformers' MistralForCausalLM."""
+RoPE theta 1e6, no sliding window; v0.1's 4,096-token ``sliding_window`` (``model.overrides`` or its
+config.json) windows every layer. transformers' MistralForCausalLM."""
 
 from __future__ import annotations
 
 from canntrain_core.families.family import TINY_SHAPE, Family
-from canntrain_core.families.qwen2 import window_refusal
 
 MISTRAL = Family(
     name="mistral",
@@ -17,7 +16,6 @@ MISTRAL = Family(
     qkv_bias=lambda c: False,
     o_bias=lambda c: False,
     kernel_modules={"MistralRMSNorm": "norm", "MistralMLP": "mlp", "MistralAttention": "attention"},
-    unsupported=window_refusal,
     presets={
         "tiny-mistral": dict(
             TINY_SHAPE,

@@ -1,24 +1,11 @@
 """Qwen2 and Qwen2.5: a Llama block with biases on the q, k and v projections (not on o), RoPE theta 1e6,
 a 151,936/152,064-token vocabulary; the small sizes (0.5B-3B) tie the output head to the embedding.
-transformers' Qwen2ForCausalLM. Sliding-window attention (``use_sliding_window``) is not built."""
+transformers' Qwen2ForCausalLM. ``use_sliding_window`` windows the layers from ``max_window_layers`` on
+(``family.layer_windows``)."""
 
 from __future__ import annotations
 
-from canntrain_core.families.family import TINY_SHAPE, Family, sliding_window
-
-
-def window_refusal(config, seq_length: int) -> str:
-    """The sliding window of Mistral and of Qwen's ``use_sliding_window``: canntrain's attention is plain
-    causal, which equals the windowed one only while a sequence fits in the window."""
-    window = sliding_window(config)
-    if window and seq_length > window:
-        return (
-            f"the model's sliding_window={window} (config.json, or model.overrides) is shorter than "
-            f"data.seq_length={seq_length}: canntrain's "
-            "attention is causal over the whole sequence (no sliding window); train sequences of at most "
-            f"{window} tokens"
-        )
-    return ""
+from canntrain_core.families.family import TINY_SHAPE, Family
 
 
 def _qwen25(**fields):
@@ -35,7 +22,6 @@ QWEN2 = Family(
     qkv_bias=lambda c: True,
     o_bias=lambda c: False,
     kernel_modules={"Qwen2RMSNorm": "norm", "Qwen2MLP": "mlp", "Qwen2Attention": "attention"},
-    unsupported=window_refusal,
     presets={
         "tiny-qwen2": dict(
             TINY_SHAPE,

@@ -9,7 +9,6 @@ heads: their weights are replicated over tp and their gradients summed over it (
 from __future__ import annotations
 
 from canntrain_core.families.family import TINY_SHAPE, Family
-from canntrain_core.families.qwen2 import window_refusal
 
 
 def _qwen3(**fields):
@@ -32,7 +31,6 @@ QWEN3 = Family(
     qk_norm=True,
     kernel_modules={"Qwen3RMSNorm": "norm", "Qwen3MLP": "mlp"},
     head_norms=("self_attn.q_norm", "self_attn.k_norm"),
-    unsupported=window_refusal,
     presets={
         "tiny-qwen3": dict(
             TINY_SHAPE,

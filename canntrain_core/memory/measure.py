@@ -9,8 +9,9 @@ build the model on ``meta`` and parallelize it with the trainer's own code (``mo
 .build_meta_model``) *outside* fake mode (TP and FSDP2 fail inside);
 enter ``FakeTensorMode(allow_non_fake_inputs=True)`` and ``model.to_empty(device="cpu")``; use
 AdamW with ``foreach=False`` (what the trainer uses; with DTensor parameters ``foreach=True`` also
-makes the tracker's optimizer figure wrong). Two steps run and the second is reported, so the
-optimizer states exist during forward, as in every step but the first.
+makes the tracker's optimizer figure wrong). One step runs before the tracker starts (it fills DTensor's
+sharding cache, whose first run of each op allocates global-shape fake tensors, and creates the optimizer
+states, which exist during forward in every step but a run's first); the tracker's peak covers the steps after.
 
 The tracker books the optimizer's temporaries under "Optstate" and autocast's 16-bit weight copies
 under "Activation"; :func:`measure_fake` separates both: optimizer states are read from the
@@ -109,8 +110,9 @@ def _check_supported(s: TrainSetup) -> None:
         raise NotImplementedError("measure_fake does not cover " + "; ".join(problems) + " — analytic estimate only")
 
 
-def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 2) -> Measurement:
-    """Run ``steps`` training steps of the llama model of ``shape`` under FakeTensorMode; report the last.
+def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measurement:
+    """Run ``steps`` training steps (after an untracked one) of the model of ``shape`` under FakeTensorMode;
+    report their peak.
 
     Covers tp (without sequence parallel), FSDP2 (zero=3) over dp, full recompute, fp32/bf16/fp16
     autocast, and gradient accumulation. Raises NotImplementedError for what it does not cover.
@@ -144,6 +146,25 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 2) -> Measuremen
             amp = (
                 torch.autocast("cpu", dtype=_DTYPE[s.precision]) if s.precision != "fp32" else contextlib.nullcontext()
             )
+
+            def train_step(tracker=None):
+                for k in range(s.grad_accum):
+                    sync_gradients(model, s.zero, last=k == s.grad_accum - 1)  # as the trainer does
+                    with amp:
+                        loss = model(ids, ids)
+                    loss.backward()
+                    if tracker:
+                        tracker.reset_mod_stats()  # the tracker's module stats cover one pass
+                grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+                opt.step()
+                opt.zero_grad()
+                return grads
+
+            # One step before the tracker: DTensor computes each new op's output metadata by running it on
+            # global-shape fake tensors once per process (its sharding cache), which the tracker would book
+            # as this rank's memory (5 GiB of "optimizer temporaries" for a vocabulary-sharded 152k head).
+            # The optimizer states exist from here on, as in every step but a run's first.
+            train_step()
             tracker = MemTracker()
             tracker.track_external(model, opt)
             with tracker, warnings.catch_warnings():
@@ -153,15 +174,7 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 2) -> Measuremen
                 warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
                 warnings.filterwarnings("ignore", message="The module hierarchy tracking", category=UserWarning)
                 for _ in range(steps):
-                    for k in range(s.grad_accum):
-                        sync_gradients(model, s.zero, last=k == s.grad_accum - 1)  # as the trainer does
-                        with amp:
-                            loss = model(ids, ids)
-                        loss.backward()
-                        tracker.reset_mod_stats()  # the tracker's module stats cover one pass
-                    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-                    opt.step()
-                    opt.zero_grad()
+                    grads = train_step(tracker)
                     tracker.reset_mod_stats()
             peak = tracker.get_tracker_snapshot("peak")
             raw = {(k.value if hasattr(k, "value") else str(k)): v for k, v in next(iter(peak.values())).items()}

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 import canntrain_kernels as kernels
 from canntrain_core.errors import RecipeError
 from canntrain_core.families import family_of
-from canntrain_core.families.family import sliding_window
+from canntrain_core.families.family import layer_windows
 from canntrain_kernels.registry import Selection
 
 _PRECISION_DTYPES = {"fp32": ("fp32",), "bf16": ("fp32", "bf16"), "fp16": ("fp32", "fp16")}
@@ -75,10 +75,8 @@ class FusedLlamaAttention(LlamaAttention):
         q, k = self._rope(q, k, cos, sin)
         if cache is not None:  # generation: keys and values so far; queries align with the last ones
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        # (the trainer refuses sequences longer than the window: transformers' own path applies none)
-        out = self._attention(
-            q, k, v, causal=True, window=sliding_window(self.config), scale=self.scaling
-        )  # [B, Hq, S, D]
+        window = layer_windows(self.config)[self.layer_idx]
+        out = self._attention(q, k, v, causal=True, window=window, scale=self.scaling)  # [B, Hq, S, D]
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
 

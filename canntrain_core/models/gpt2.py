@@ -68,7 +68,9 @@ class GPT2Layer(nn.Module):
         self.mlp = GPT2MLP(config)
 
     def forward(self, hidden_states, attention_mask=None, cache=None, **_):
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask, cache)
+        # hidden_states by name: sequence parallel's plan gathers the attention's input by that keyword
+        normed = self.input_layernorm(hidden_states)
+        h = hidden_states + self.self_attn(hidden_states=normed, attention_mask=attention_mask, cache=cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

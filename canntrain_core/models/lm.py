@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from canntrain_core.families.family import layer_windows
 from canntrain_core.parallel.vocab import vocab_parallel_cross_entropy, vocab_sharded
 from canntrain_kernels.reference import plain_cross_entropy
 
@@ -29,6 +30,7 @@ class CausalLM(nn.Module):
         self.model = hf_model.model  # LlamaModel: embed_tokens, layers, norm, rotary_emb (GPT-2: embed_positions)
         self.lm_head = hf_model.lm_head
         self.cross_entropy = cross_entropy
+        self.windows = layer_windows(self.config)  # each layer's sliding window (None: none)
 
     def layers(self):
         layers = self.model.layers
@@ -66,8 +68,13 @@ class CausalLM(nn.Module):
             if learned is not None:
                 h = m.drop(h + learned(positions))
         rope = m.rotary_emb(h, position_ids=positions) if m.rotary_emb is not None else None
-        for layer in self.layers():
-            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rope, cache=cache)
+        masks = {None: mask}  # by window: a sliding window adds a band to the mask
+        layers = m.layers.items() if isinstance(m.layers, nn.ModuleDict) else enumerate(m.layers)
+        for i, layer in layers:
+            window = self.windows[int(i)]
+            if window not in masks:
+                masks[window] = window_mask(mask, x.shape[1], window, x.device)
+            h = layer(h, attention_mask=masks[window], position_ids=positions, position_embeddings=rope, cache=cache)
         if self.lm_head is None:
             return h
         h = m.norm(h)
@@ -94,6 +101,19 @@ class CausalLM(nn.Module):
         if self.token_weight is not None:
             loss = loss * (targets != -100).sum() * self.token_weight
         return loss
+
+
+def window_mask(mask: torch.Tensor | None, q_len: int, window: int, device) -> torch.Tensor | None:
+    """``mask`` ([B, 1, q, k] bool, or None for plain causal) with a sliding window: query i (the last q of k
+    keys) sees key j only when i - window < j, as transformers' sliding-window masks. Unchanged while every
+    key is within the window."""
+    k_len = mask.shape[-1] if mask is not None else q_len
+    if k_len <= window:
+        return mask
+    i = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    j = torch.arange(k_len, device=device)[None]
+    band = (j > i - window) & (j <= i)
+    return band[None, None] if mask is None else mask & band
 
 
 def causal_lm_loss(model, input_ids, targets, cross_entropy=plain_cross_entropy):

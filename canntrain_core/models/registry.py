@@ -80,12 +80,3 @@ def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = False, t
         emb = model.get_input_embeddings()
         n -= emb.weight.numel()
     return n
-
-
-def check_trainable(config, seq_length: int) -> None:
-    """A configuration of its family that canntrain does not build (Mistral's sliding window shorter than the
-    sequence, ...): a BadInput in one line naming the config key."""
-    family = family_of(config)
-    why = family.unsupported(config, seq_length)
-    if why:
-        raise BadInput(f"model ({family.name}): {why}")

@@ -77,7 +77,9 @@ def generate(
     causal = torch.ones((P, P), dtype=torch.bool, device=device).tril()
     # a padded query attends to itself only: no row of the mask is empty (an empty row gives NaN)
     mask = (causal & real[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-    cache = DynamicCache(config=model.config)
+    # every key kept: CausalLM's masks apply a sliding window themselves (transformers' sliding cache layers, which a
+    # config would choose, drop keys those masks count)
+    cache = DynamicCache()
     logits = model(ids, position_ids=positions, attention_mask=mask[:, None], cache=cache)[:, -1].float()
     out = []
     stop = torch.tensor(list(stop_ids), device=device) if stop_ids else None

@@ -110,6 +110,12 @@ def apply_tp(model, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocab_
             tp_mesh,
             PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
         )
+    if getattr(m, "embed_positions", None) is not None:  # GPT-2's positions: split along the sequence as the tokens
+        parallelize_module(
+            m.embed_positions,
+            tp_mesh,
+            PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
+        )
     if m.norm is not None:  # the final norm on the last pipeline stage; CausalLM gathers its output
         parallelize_module(m.norm, tp_mesh, SequenceParallel())
     for layer in model.layers():

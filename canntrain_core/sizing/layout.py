@@ -159,11 +159,6 @@ def layout_problems(
                 f"distributed.vocab_parallel: tensor_parallel_size={L.tp} must divide the vocabulary of "
                 f"{model.vocab_size} entries (set distributed.vocab_parallel=false, or a vocabulary size it divides)"
             )
-        if model.kind == "gpt" and L.sequence_parallel and L.tp > 1:
-            out.append(
-                "distributed.sequence_parallel is not built for GPT-2 (its learned positions are added after "
-                "the embedding, which SP splits along the sequence); set distributed.sequence_parallel=false"
-            )
         if model.kind == "gpt" and L.lora:
             out.append(
                 "lora.enabled is not built for GPT-2 (peft's GPT-2 adapters wrap the fused c_attn, canntrain "

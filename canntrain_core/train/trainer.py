@@ -30,7 +30,7 @@ from canntrain_core.models.fused import check_kernels_fit
 from canntrain_core.models.hf import base_fingerprint
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.lora import adapter_summary, has_adapters, trainable_summary
-from canntrain_core.models.registry import check_trainable, model_config
+from canntrain_core.models.registry import model_config
 from canntrain_core.parallel.clip import clip_grad_norm
 from canntrain_core.parallel.data_parallel import sync_gradients
 from canntrain_core.recipe import Recipe, save_resolved
@@ -120,7 +120,6 @@ class Trainer:
         self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
         check_layout(r, config, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
         check_kernels_fit(config, m)
-        check_trainable(config, r.data.seq_length)
         init_distributed(self.acc, d, self.extra_ranks(r))
         self.rank = rank()
         self.dims = ParallelDims.from_recipe(r)

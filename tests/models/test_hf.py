@@ -79,6 +79,35 @@ def test_init_from_gives_the_same_logits_as_transformers(family_dir):
         assert (built.model(IDS) - hf(IDS).logits).abs().max() <= LOGITS_TOL
 
 
+WINDOWED = {  # Mistral v0.1 windows every layer; Qwen2's use_sliding_window the layers from max_window_layers on
+    "mistral": dict(sliding_window=16),
+    "qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=2),
+}
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_sliding_window_attention_gives_transformers_logits_and_decodes_alike(family, tmp_path):
+    """Sequences three times the window: transformers' logits (which the plain causal attention misses by far),
+    and KV-cached decoding past the window equal to the full forward at every position."""
+    from transformers import DynamicCache
+
+    hf = write_hf_model(tmp_path / family, family=family, **WINDOWED[family])
+    recipe = recipe_from(tmp_path / family)
+    model = build_training_model(recipe, model_config(recipe.model), torch.device("cpu")).model.eval()
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full, want = model(ids), hf(ids).logits
+        assert (full - want).abs().max() <= LOGITS_TOL
+        windows, model.windows = model.windows, [None] * len(model.windows)
+        assert (model(ids) - want).abs().max() > 100 * LOGITS_TOL  # the window matters at this length
+        model.windows = windows
+        cache, step = DynamicCache(), []  # as models.rollout decodes
+        for t in range(ids.shape[1]):
+            seen = torch.ones(2, 1, 1, t + 1, dtype=torch.bool)
+            step.append(model(ids[:, t : t + 1], position_ids=torch.full((2, 1), t), attention_mask=seen, cache=cache))
+    assert (torch.cat(step, dim=1) - full).abs().max() <= LOGITS_TOL
+
+
 @pytest.fixture(scope="module")
 def four_ranks(family_dirs, tmp_path_factory) -> Path:
     """One torchrun launch for every family: FSDP2 x TP2 and PP2 x FSDP2, seeded and from init_from, and SGD steps
@@ -109,7 +138,7 @@ def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(fam
     single = build_training_model(recipe, model_config(recipe.model), torch.device("cpu")).model
     want = {n: p.detach() for n, p in single.named_parameters()}
     # a tied preset has no pipeline layout (the embedding and the head would sit on different stages)
-    for layout in ("fsdp2_tp2",) + ("pp2_fsdp2",) * (not single.config.tie_word_embeddings):
+    for layout in ("fsdp2_tp2", "fsdp2_tp2_sp") + ("pp2_fsdp2",) * (not single.config.tie_word_embeddings):
         got = {}
         for rank in range(4):
             got.update(torch.load(four_ranks / f"{family}-{layout}-init-rank{rank}.pt")["params"])
@@ -124,10 +153,12 @@ def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(fam
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2_tp2", "fsdp2_tp2_sp"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_sgd_under_fsdp2_tp2_equals_one_process(family, family_dirs, four_ranks):
-    """Three SGD steps from init_from under FSDP2 x TP2 reach the losses and weights of one process: every
-    gradient is reduced where it must be (Qwen3's per-head q/k norms, replicated over tp, included)."""
+def test_sgd_under_fsdp2_tp2_equals_one_process(family, layout, family_dirs, four_ranks):
+    """Three SGD steps from init_from under FSDP2 x TP2, and with sequence parallel, reach the losses and weights
+    of one process: every gradient is reduced where it must be (Qwen3's per-head q/k norms, replicated over tp;
+    GPT-2's position table, whose output SP splits along the sequence)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_hf_ranks", ROOT / "tests" / "_hf_ranks.py")
@@ -146,7 +177,7 @@ def test_sgd_under_fsdp2_tp2_equals_one_process(family, family_dirs, four_ranks)
         losses.append(loss.item())
     got = {}
     for rank in range(4):
-        saved = torch.load(four_ranks / f"{family}-fsdp2_tp2-hf-rank{rank}.pt")
+        saved = torch.load(four_ranks / f"{family}-{layout}-hf-rank{rank}.pt")
         assert saved["sgd_losses"] == pytest.approx(losses, rel=1e-5), rank
         got.update(saved["sgd_params"])
     worst = max((got[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
