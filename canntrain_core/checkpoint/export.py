@@ -1,7 +1,7 @@
 """``canntrain export``: a canntrain checkpoint (DCP, any layout) to a Hugging Face model directory.
 
 Writes what transformers' ``save_pretrained`` writes for the model's family (GPT-2's tensors in its files'
-names and layouts, ``models.hf.to_hf_layout``): ``config.json``,
+names and layouts, ``models.hf_names.to_hf_layout``): ``config.json``,
 ``generation_config.json`` (``model.init_from``'s when it had one), ``model.safetensors`` or shards plus
 ``model.safetensors.index.json``, and the tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (its
 special tokens) + ``chat_template.jinja`` (the template the run formatted conversations with: the
@@ -29,7 +29,7 @@ import torch
 
 from canntrain_core.checkpoint.dcp import CheckpointError, latest_checkpoint, single_process_ok, verify_checkpoint
 from canntrain_core.errors import BadInput
-from canntrain_core.models.hf import to_hf_layout
+from canntrain_core.models.hf_names import to_hf_layout
 from canntrain_core.models.lora import is_adapter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -35,6 +35,22 @@ def layer_windows(config: Any) -> list[int | None]:
 
 
 @dataclass(frozen=True)
+class HFName:
+    """canntrain's tensors named ``ours`` (a regular expression) live in the files' ``theirs`` (``{0}``, ``{1}``:
+    the pattern's groups; ``{e}``: the expert). ``experts``: ours stacks one files' tensor per expert along its
+    first dimension, in part ``part`` of ``parts`` of its second (Mixtral's w1 and w3 in gate_up_proj); else ours
+    is part ``part`` of ``parts`` of the files' tensor's last dimension (GPT-2's q, k, v in c_attn).
+    ``transposed``: the files store it transposed (GPT-2's Conv1D)."""
+
+    ours: str
+    theirs: str
+    transposed: bool = False
+    part: int = 0
+    parts: int = 1
+    experts: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     name: str  # also model.type in a recipe
     model_types: tuple[str, ...]  # config.json's model_type values it reads
@@ -61,12 +77,14 @@ class Family:
     # canntrain's own module tree for the family (a class of models/, Llama's module names) where transformers'
     # tree cannot be split by TP as it stands (GPT-2's fused, transposed q/k/v); "": transformers' class.
     own_class: str = ""
-    # How canntrain's parameter names map onto the Hugging Face files' where they differ: (canntrain's name
-    # pattern, Hugging Face name ({0}: the layer), stored transposed, part of the HF tensor's last dimension,
-    # parts). Empty: the same names and layouts (transformers' own modules).
-    hf_names: tuple[tuple[str, str, bool, int, int], ...] = ()
+    # How canntrain's parameter names map onto the Hugging Face files' where they differ (models/hf_names.py);
+    # a name no entry matches is the same in both. Empty: the same names and layouts throughout.
+    hf_names: tuple[HFName, ...] = ()
     # Residual output projections initialised with std / sqrt(2 x layers) (GPT-2's scheme); names' endings.
     scaled_init: tuple[str, ...] = ()
+    # A mixture of experts: transformers' router module class, whose first output is the router logits (the
+    # load-balancing loss reads them); "": a dense model.
+    router_class: str = ""
 
     def config_key(self, name: str) -> str:
         """The family config's key for the Llama-named ``name`` ('' when the family has no such field)."""

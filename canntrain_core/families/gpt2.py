@@ -10,13 +10,14 @@ are q, k and v, each transposed. LoRA is not built for it (peft's GPT-2 adapters
 
 from __future__ import annotations
 
-from canntrain_core.families.family import TINY_SHAPE, Family
+from canntrain_core.families.family import TINY_SHAPE, Family, HFName
 
 
 def _gpt2(hidden: int, layers: int, heads: int) -> dict:
     return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, n_inner=4 * hidden)
 
 
+_LAYER = r"model\.layers\.(\d+)\."
 GPT2 = Family(
     name="gpt2",
     model_types=("gpt2",),
@@ -44,24 +45,35 @@ GPT2 = Family(
     o_bias=lambda c: True,
     scaled_init=("self_attn.o_proj.weight", "mlp.down_proj.weight"),
     hf_names=(
-        (r"model\.embed_tokens\.weight", "transformer.wte.weight", False, 0, 1),
-        (r"model\.embed_positions\.weight", "transformer.wpe.weight", False, 0, 1),
-        (r"model\.norm\.(weight|bias)", "transformer.ln_f.{0}", False, 0, 1),
-        (r"model\.layers\.(\d+)\.input_layernorm\.(weight|bias)", "transformer.h.{0}.ln_1.{1}", False, 0, 1),
-        (r"model\.layers\.(\d+)\.post_attention_layernorm\.(weight|bias)", "transformer.h.{0}.ln_2.{1}", False, 0, 1),
-        (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "transformer.h.{0}.attn.c_attn.weight", True, 0, 3),
-        (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "transformer.h.{0}.attn.c_attn.weight", True, 1, 3),
-        (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "transformer.h.{0}.attn.c_attn.weight", True, 2, 3),
-        (r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias", "transformer.h.{0}.attn.c_attn.bias", False, 0, 3),
-        (r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias", "transformer.h.{0}.attn.c_attn.bias", False, 1, 3),
-        (r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias", "transformer.h.{0}.attn.c_attn.bias", False, 2, 3),
-        (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "transformer.h.{0}.attn.c_proj.weight", True, 0, 1),
-        (r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias", "transformer.h.{0}.attn.c_proj.bias", False, 0, 1),
-        (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "transformer.h.{0}.mlp.c_fc.weight", True, 0, 1),
-        (r"model\.layers\.(\d+)\.mlp\.up_proj\.bias", "transformer.h.{0}.mlp.c_fc.bias", False, 0, 1),
-        (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "transformer.h.{0}.mlp.c_proj.weight", True, 0, 1),
-        (r"model\.layers\.(\d+)\.mlp\.down_proj\.bias", "transformer.h.{0}.mlp.c_proj.bias", False, 0, 1),
-        (r"lm_head\.weight", "lm_head.weight", False, 0, 1),
+        HFName(r"model\.embed_tokens\.weight", "transformer.wte.weight"),
+        HFName(r"model\.embed_positions\.weight", "transformer.wpe.weight"),
+        HFName(r"model\.norm\.(weight|bias)", "transformer.ln_f.{0}"),
+        HFName(_LAYER + r"input_layernorm\.(weight|bias)", "transformer.h.{0}.ln_1.{1}"),
+        HFName(_LAYER + r"post_attention_layernorm\.(weight|bias)", "transformer.h.{0}.ln_2.{1}"),
+        HFName(_LAYER + r"self_attn\.q_proj\.weight", "transformer.h.{0}.attn.c_attn.weight", transposed=True, parts=3),
+        HFName(
+            _LAYER + r"self_attn\.k_proj\.weight",
+            "transformer.h.{0}.attn.c_attn.weight",
+            transposed=True,
+            part=1,
+            parts=3,
+        ),
+        HFName(
+            _LAYER + r"self_attn\.v_proj\.weight",
+            "transformer.h.{0}.attn.c_attn.weight",
+            transposed=True,
+            part=2,
+            parts=3,
+        ),
+        HFName(_LAYER + r"self_attn\.q_proj\.bias", "transformer.h.{0}.attn.c_attn.bias", parts=3),
+        HFName(_LAYER + r"self_attn\.k_proj\.bias", "transformer.h.{0}.attn.c_attn.bias", part=1, parts=3),
+        HFName(_LAYER + r"self_attn\.v_proj\.bias", "transformer.h.{0}.attn.c_attn.bias", part=2, parts=3),
+        HFName(_LAYER + r"self_attn\.o_proj\.weight", "transformer.h.{0}.attn.c_proj.weight", transposed=True),
+        HFName(_LAYER + r"self_attn\.o_proj\.bias", "transformer.h.{0}.attn.c_proj.bias"),
+        HFName(_LAYER + r"mlp\.up_proj\.weight", "transformer.h.{0}.mlp.c_fc.weight", transposed=True),
+        HFName(_LAYER + r"mlp\.up_proj\.bias", "transformer.h.{0}.mlp.c_fc.bias"),
+        HFName(_LAYER + r"mlp\.down_proj\.weight", "transformer.h.{0}.mlp.c_proj.weight", transposed=True),
+        HFName(_LAYER + r"mlp\.down_proj\.bias", "transformer.h.{0}.mlp.c_proj.bias"),
     ),
     presets={
         # The Llama tiny preset's width, depth and heads with GPT-2's 4x MLP (no GQA: GPT-2 has none).

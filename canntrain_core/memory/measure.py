@@ -98,8 +98,11 @@ def recipe_for(shape: ModelShape, s: TrainSetup):
     )
 
 
-def _check_supported(s: TrainSetup) -> None:
+def _check_supported(shape: ModelShape, s: TrainSetup) -> None:
     problems = []
+    if shape.kind == "moe" and not s.fsdp_mixed_precision:
+        # transformers' experts run torch's grouped_mm, whose fake-tensor kernel accepts bf16 operands only
+        problems.append("a mixture of experts without 16-bit weights (measure it under FSDP2, zero=3, bf16)")
     if s.pp > 1 or s.cp > 1 or s.ep > 1:
         problems.append("pipeline/context/expert parallel (pp, cp, ep must be 1)")
     if s.weights != "amp" or s.lora is not None or s.offload_optimizer:
@@ -125,7 +128,7 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
     from canntrain_core.parallel.data_parallel import sync_gradients
     from canntrain_core.runtime.distributed import ParallelDims
 
-    _check_supported(s)
+    _check_supported(shape, s)
     t0 = time.perf_counter()
     recipe = recipe_for(shape, s)
     with fake_world(s.world_size):

@@ -7,10 +7,10 @@ Each rank reads only the slices it holds, straight into its (DTensor) shards, wi
 
 Names: canntrain's module tree keeps transformers' own Llama names (``model.layers.3.mlp.up_proj.weight``,
 ``lm_head.weight``), so the one table between the two, ``WRAPPERS``, only lists the wrapper modules
-that parallel training inserts and the Hugging Face names leave out. A family whose files use another tree
-(GPT-2's transposed, fused ``c_attn``) says how its names and layouts map (``Family.hf_names``): each rank
-then reads its slices of the files' tensors through that map (:func:`hf_source`), and export writes the files'
-tensors back from canntrain's (:func:`to_hf_layout`).
+that parallel training inserts and the Hugging Face names leave out. A family whose files hold other tensors
+(GPT-2's transposed, fused ``c_attn``; Mixtral's experts one file tensor each) says how they map
+(``Family.hf_names``, ``models/hf_names.py``): each rank reads only the parts of the files' tensors its shards
+cover, and export assembles the files' tensors from canntrain's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from canntrain_core.errors import BadInput
 from canntrain_core.families import family_of
-from canntrain_core.models.classes import causal_lm_class, config_from_dict
+from canntrain_core.models.classes import causal_lm_class, config_from_dict, training_class
+from canntrain_core.models.hf_names import Piece, pieces, their_shapes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # canntrain never downloads (DESIGN: no downloads at run time)
 
@@ -45,44 +46,6 @@ def hf_name(name: str) -> str:
     for wrapper in WRAPPERS:
         name = name.replace(wrapper, "")
     return name
-
-
-def hf_source(config, name: str) -> tuple[str, bool, int, int]:
-    """Where canntrain's parameter ``name`` (its Hugging Face-style name) lives in the family's files: (the
-    files' tensor, stored transposed, which part of that tensor's last dimension, of how many parts)."""
-    for pattern, template, transposed, part, parts in family_of(config).hf_names:
-        found = re.fullmatch(pattern, name)
-        if found:
-            return template.format(*found.groups()), transposed, part, parts
-    return name, False, 0, 1
-
-
-def hf_shape(config, name: str, shape) -> list[int]:
-    """The shape of the files' tensor that holds canntrain's ``name`` of ``shape``."""
-    _, transposed, _, parts = hf_source(config, name)
-    full = list(shape)[::-1] if transposed else list(shape)
-    return full[:-1] + [full[-1] * parts]
-
-
-def to_hf_layout(config, shapes: dict[str, Any], load):
-    """canntrain's tensors (``shapes`` by name, ``load(names)`` -> whole tensors) as the family's files hold
-    them: (files' name -> shape, ``load(files' names)`` -> whole tensors). Identity for transformers' trees."""
-    if not family_of(config).hf_names:
-        return shapes, load
-    pieces: dict[str, list[tuple[int, str, bool]]] = {}
-    for name in shapes:
-        target, transposed, part, _ = hf_source(config, name)
-        pieces.setdefault(target, []).append((part, name, transposed))
-    hf_shapes = {}
-    for target, parts in pieces.items():
-        name = parts[0][1]
-        hf_shapes[target] = torch.Size(hf_shape(config, name, shapes[name]))
-
-    def hf_load(names: list[str]) -> dict[str, torch.Tensor]:
-        ours = load([n for t in names for _, n, _ in pieces[t]])
-        return {t: torch.cat([ours[n].T if tr else ours[n] for _, n, tr in sorted(pieces[t])], dim=-1) for t in names}
-
-    return hf_shapes, hf_load
 
 
 def read_config(directory: str | Path):
@@ -150,9 +113,10 @@ def check_weights(config, directory: str | Path) -> None:
     d = Path(directory)
     available = _with_prefix(weight_files(d), config)
     with torch.device("meta"):
-        expected = {n: list(t.shape) for n, t in causal_lm_class(config)(config).state_dict().items()}
+        ours = {n: t.shape for n, t in training_class(config)(config).state_dict().items()}
     if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+        ours.pop("lm_head.weight", None)
+    expected = {n: list(s) for n, s in their_shapes(config, ours).items()}  # the files' names and shapes
     keys: dict[str, str] = {}
     problems = []
     for (suffix, dim), key in _SHAPE_KEYS.items():  # a key is wrong when every tensor it shapes disagrees
@@ -252,27 +216,27 @@ def load_weights(model: torch.nn.Module, directory: str | Path, skip=lambda name
     d = Path(directory)
     available = _with_prefix(weight_files(d), model.config)
     state = {hf_name(n): p for n, p in model.named_parameters() if not skip(n)}
+    parts = {key: pieces(model.config, key, p.shape) for key, p in state.items()}
+    want = their_shapes(model.config, {key: p.shape for key, p in state.items()})
     problems = []
-    for key, p in state.items():
-        source = hf_source(model.config, key)[0]
-        want = hf_shape(model.config, key, p.shape)
+    for source in sorted({piece.theirs for ps in parts.values() for piece in ps}):
         if source not in available:
             problems.append(f"{source}: missing from {d} (no safetensors file holds it)")
-        elif want != available[source]["shape"]:
+        elif list(want[source]) != available[source]["shape"]:
             problems.append(
-                f"{source} in {available[source]['file']}: shape {available[source]['shape']}, the model needs {want}"
+                f"{source} in {available[source]['file']}: shape {available[source]['shape']}, "
+                f"the model needs {list(want[source])}"
             )
     if problems:
         raise HFFormatError(f"model.init_from: {d} does not fit the model:\n  " + "\n  ".join(problems))
     if family_of(model.config).hf_names:
         for key, p in state.items():
-            _read_mapped(p, key, model.config, d, available)
+            _read_pieces(p, parts[key], d, available)
     else:
         with single_process_ok():
             dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)))
     return [
-        {"tensor": key, "file": available[hf_source(model.config, key)[0]]["file"], "shape": list(p.shape)}
-        | {"slice": _slice(p)}
+        {"tensor": key, "file": available[parts[key][0].theirs]["file"], "shape": list(p.shape), "slice": _slice(p)}
         for key, p in state.items()
     ]
 
@@ -285,30 +249,28 @@ def _with_prefix(available: dict[str, dict[str, Any]], config) -> dict[str, dict
     return {(prefix + n if bare and n != "lm_head.weight" else n): {**v, "key": n} for n, v in available.items()}
 
 
-def _read_mapped(p: torch.Tensor, key: str, config, d: Path, available: dict[str, dict[str, Any]]) -> None:
-    """This rank's slice of canntrain's parameter ``key`` read from the files' tensor that holds it (a
-    transposed, fused or renamed one): only the slice is read."""
+def _read_pieces(p: torch.Tensor, parts: list[Piece], d: Path, available: dict[str, dict[str, Any]]) -> None:
+    """This rank's shard of ``p`` read from the files' tensors that hold it (``parts``): only the blocks it
+    covers are read."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    source, transposed, part, parts = hf_source(config, key)
-    shape, offset = tuple(p.shape), (0,) * p.dim()
-    local = p
+    shape, offset, local = tuple(p.shape), (0,) * p.dim(), p
     if isinstance(p, DTensor):
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         local = p.to_local()
     if local.numel() == 0:
         return
-    ours = [slice(o, o + n) for n, o in zip(shape, offset)]
-    theirs = ours[::-1] if transposed else list(ours)
-    if parts > 1:  # the part's place along the files' last dimension (our first)
-        shift = part * p.shape[0]
-        theirs[-1] = slice(theirs[-1].start + shift, theirs[-1].stop + shift)
-    stored = available[source]
-    with safe_open(str(d / stored["file"]), framework="pt") as f:
-        piece = f.get_slice(stored["key"])[tuple(theirs)]
-    local.copy_(piece.T if transposed else piece)
+    mine = [(o, o + n) for n, o in zip(shape, offset)]
+    for piece in parts:
+        cut = tuple((max(a, b), min(c, e)) for (a, c), (b, e) in zip(mine, piece.box))
+        if any(start >= stop for start, stop in cut):
+            continue
+        stored = available[piece.theirs]
+        with safe_open(str(d / stored["file"]), framework="pt") as f:
+            block = f.get_slice(stored["key"])[piece.their_slices(cut)]
+        local[tuple(slice(s - o, t - o) for (s, t), (o, _) in zip(cut, mine))] = piece.as_ours(block)
 
 
 def _slice(p: torch.Tensor) -> str:

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from canntrain_core.families import family_of
 from canntrain_core.families.family import layer_windows
+from canntrain_core.models.moe import RouterRecorder, load_balancing_loss
 from canntrain_core.parallel.vocab import vocab_parallel_cross_entropy, vocab_sharded
 from canntrain_kernels.reference import plain_cross_entropy
 
@@ -31,6 +33,12 @@ class CausalLM(nn.Module):
         self.lm_head = hf_model.lm_head
         self.cross_entropy = cross_entropy
         self.windows = layer_windows(self.config)  # each layer's sliding window (None: none)
+        family = family_of(self.config)
+        self.routers = RouterRecorder(self.model, family.router_class) if family.router_class else None  # MoE
+        if self.routers is not None:
+            self.experts = getattr(self.config, family.config_key("num_experts"))
+            self.top_k = getattr(self.config, family.config_key("experts_per_token"))
+        self.aux_loss: torch.Tensor | None = None  # the last training forward's load-balancing loss (unscaled)
 
     def layers(self):
         layers = self.model.layers
@@ -54,6 +62,8 @@ class CausalLM(nn.Module):
         ``DynamicCache``): incremental decoding of left-padded prompts (``models.rollout``).
         """
         m = self.model
+        if self.routers is not None:  # what an earlier pass (evaluation, recompute in backward) recorded
+            self.routers.take()
         # Positions from the input, which always holds the whole sequence (under sequence parallel
         # the embedding's output is only this rank's slice of it).
         positions = position_ids if position_ids is not None else torch.arange(x.shape[1], device=x.device)[None]
@@ -81,9 +91,16 @@ class CausalLM(nn.Module):
         if isinstance(h, DTensor):  # sequence parallel: gather the sequence for the head and loss
             h = h.full_tensor()
         if targets is not None:
-            return self.head_loss(h, targets)
+            loss = self.head_loss(h, targets)
+            return loss + self._router_loss() if self.routers is not None and self.training else loss
         # A pipeline's last stage hands its final hidden states to the schedule's loss (head_loss).
         return h if self.pipeline_last_stage else self.lm_head(h)
+
+    def _router_loss(self) -> torch.Tensor:
+        """router_aux_loss_coef x the load-balancing loss of this forward's routing (kept in ``aux_loss``)."""
+        aux = load_balancing_loss(self.routers.take(), self.experts, self.top_k)
+        self.aux_loss = aux.detach()
+        return self.config.router_aux_loss_coef * aux
 
     pipeline_last_stage = False  # set by parallel.pp.split_stage
     # Instruction data under a pipeline: the trainer sets a weight so that the schedule's mean of

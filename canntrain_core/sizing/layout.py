@@ -159,6 +159,12 @@ def layout_problems(
                 f"distributed.vocab_parallel: tensor_parallel_size={L.tp} must divide the vocabulary of "
                 f"{model.vocab_size} entries (set distributed.vocab_parallel=false, or a vocabulary size it divides)"
             )
+        if model.kind == "moe" and (L.tp > 1 or L.pp > 1):
+            out.append(
+                "tensor_parallel_size / pipeline_parallel_size > 1 are not built for a mixture of experts yet (the "
+                "experts would be replicated over tp; a pipeline stage's router loss would not reach the schedule's "
+                "loss); use FSDP2 (zero_optimization >= 1) over data-parallel ranks"
+            )
         if model.kind == "gpt" and L.lora:
             out.append(
                 "lora.enabled is not built for GPT-2 (peft's GPT-2 adapters wrap the fused c_attn, canntrain "
@@ -169,6 +175,11 @@ def layout_problems(
         experts = getattr(model, "num_experts", 1)
         if L.ep > 1 and (experts <= 1 or experts % L.ep):
             out.append(f"distributed.expert_parallel_size={L.ep} must divide the model's {experts} expert(s)")
+        elif L.ep > 1:
+            out.append(
+                "distributed.expert_parallel_size > 1 is estimated by the memory planner but not run by the trainer "
+                "yet; set it to 1 (FSDP2 shards the experts over the data-parallel ranks)"
+            )
     if devices_per_node and L.tp > 1 and devices_per_node % L.tp and not allow_cross_node_tp:
         out.append(
             f"distributed.tensor_parallel_size={L.tp} spans nodes of {devices_per_node} devices; "

@@ -1,7 +1,7 @@
 """Model shapes the memory estimator works on: llama (GQA aware), gpt and MoE.
 
 Every family of ``canntrain_core/families/`` has a shape (its ``shape_kind``: GPT-2's is gpt); the shapes
-the estimator and the plan search cover without model code (GPT-3 sizes, Mixtral) live here, in
+the estimator and the plan search cover without model code (GPT-3's sizes) live here, in
 :data:`EXTRA_SHAPES`. A :class:`ModelShape` is all the estimator needs: no weights, no torch.
 """
 
@@ -148,13 +148,10 @@ class ModelShape:
         return self.num_params() - self.num_layers * idle
 
 
-# Shapes beyond the llama presets of sizing/presets.py (public configs of GPT-3 and Mixtral sizes).
+# Shapes without model code (public configs of GPT-3's sizes): the estimator and the planner only.
 EXTRA_SHAPES: dict[str, ModelShape] = {
     "gpt3-1.3b": ModelShape("gpt", 2048, 8192, 24, 16, 16, 50257, tie_embeddings=True, max_positions=2048),
     "gpt3-13b": ModelShape("gpt", 5120, 20480, 40, 40, 40, 50257, tie_embeddings=True, max_positions=2048),
-    "mixtral-8x7b": ModelShape(
-        "moe", 4096, 14336, 32, 32, 8, 32000, num_experts=8, experts_per_token=2, max_positions=32768
-    ),
 }
 
 
@@ -215,6 +212,8 @@ def shape_of(config: Any, family: Family | None = None) -> ModelShape:
         qkv_bias=family.qkv_bias(config),
         o_bias=family.o_bias(config),
         qk_norm=family.qk_norm,
+        num_experts=getattr(config, family.config_key("num_experts"), None) or 1,
+        experts_per_token=getattr(config, family.config_key("experts_per_token"), None) or 1,
     )
 
 
@@ -237,6 +236,8 @@ def rebuild_recipe(shape: ModelShape) -> dict[str, Any]:
         tie_word_embeddings=shape.tie_embeddings,
         max_position_embeddings=shape.max_positions,
     )
+    if shape.kind == "moe":
+        sizes.update(num_experts=shape.num_experts, experts_per_token=shape.experts_per_token)
     overrides = {family.config_key(k): v for k, v in sizes.items() if family.config_key(k)}
     if shape.explicit_head_dim:
         overrides["head_dim"] = shape.explicit_head_dim

@@ -150,6 +150,7 @@ class Trainer:
             config.bos_token_id, config.eos_token_id = None, self.data.eos_id
         built = self.build_model(config, fill=resume_path is None)
         self.model, self.schedule = built.model, built.schedule
+        self.aux_loss: torch.Tensor | None = None  # a mixture of experts' load-balancing loss over the last step
         # an adapted model (LoRA) checkpoints its adapters only; they name the base they adapt
         self.adapters_only = has_adapters(self.model)
         if resume_path is not None and self.adapters_only:
@@ -370,6 +371,8 @@ class Trainer:
             "step_time": dt,
             "peak_memory_bytes": acc.peak_memory_bytes(),
         }
+        if self.aux_loss is not None:  # MoE: "loss" holds router_aux_loss_coef x it, as transformers' loss does
+            record["aux_loss"] = self._mean_over_ranks(self.aux_loss)
         if "padding_fraction" in self.data.info:  # instruction rows: tokens that are not padding
             record["real_tokens_per_second"] = record["tokens_per_second"] * (1 - self.data.info["padding_fraction"])
         return record
@@ -399,6 +402,7 @@ class Trainer:
             with acc.autocast(precision):
                 return self._pipeline(self.schedule.step, x, t)
         loss_sum = torch.zeros((), device=acc.device)
+        self.aux_loss = None if self.model.routers is None else torch.zeros((), device=acc.device)
         for i, (x, t, kw) in enumerate(parts):
             sync_gradients(self.model, self.recipe.distributed.zero_optimization, last=i == len(parts) - 1)
             with acc.autocast(precision):
@@ -409,6 +413,8 @@ class Trainer:
             part = loss / len(parts) if weights is None else loss * weights[i]
             self.scaler.scale(part).backward()
             loss_sum += part.detach()
+            if self.aux_loss is not None:  # a mixture of experts: its load-balancing loss, logged apart
+                self.aux_loss += self.model.aux_loss / len(parts)
         return loss_sum
 
     def _model_args(self, batch) -> tuple[torch.Tensor, torch.Tensor, dict]:

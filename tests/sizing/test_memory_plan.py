@@ -121,6 +121,8 @@ PUBLIC = {
     "gpt2-medium": 354_823_168,
     "gpt2-large": 774_030_080,
     "gpt2-xl": 1_557_611_200,
+    "mixtral-8x7b": 46_702_792_704,  # every expert counted; 12,879,925,248 active per token
+    "mixtral-8x22b": 140_630_071_296,
 }
 
 
