@@ -4,7 +4,7 @@ rank holds.
     torchrun --nproc_per_node 4 tests/_hf_ranks.py OUT HF_DIR [HF_DIR ...]
 
 For each HF_DIR (a family's tiny model, written by transformers) and each layout (FSDP2 x TP2, with and without
-sequence parallel; PP2 x FSDP2; FSDP2 over 4 for a mixture of experts)
+sequence parallel; PP2 x FSDP2; EP2 x FSDP2 over 4 for a mixture of experts)
 it builds the model twice, seeded from the family's tiny preset and from HF_DIR (``model.init_from``), and
 saves to OUT/<family>-<layout>-<init|hf>-rank<R>.pt the full value of every parameter this rank's stage holds
 (gathered over its data/tensor-parallel peers); for the HF build without a pipeline also the logits of a fixed
@@ -38,8 +38,12 @@ LAYOUTS = {
         "distributed.tensor_parallel_size": 2,
         "distributed.sequence_parallel": True,
     },
-    # a mixture of experts' layout while TP and PP are not built for it (dense families: the two above cover FSDP2)
-    "fsdp4": {"distributed.data_parallel_size": 4, "distributed.zero_optimization": 3},
+    # a mixture of experts: experts over ep 2, each rank's half of them and the rest sharded by FSDP2 over 4
+    "ep2_fsdp2": {
+        "distributed.data_parallel_size": 4,
+        "distributed.zero_optimization": 3,
+        "distributed.expert_parallel_size": 2,
+    },
     "pp2_fsdp2": {
         "distributed.data_parallel_size": 2,
         "distributed.zero_optimization": 3,
@@ -68,7 +72,7 @@ def main(out: str, *hf_dirs: str) -> None:
         hf_config = model_config(load_recipe(None, {"model.init_from": hf_dir}).model)
         family = next(f for f in FAMILIES.values() if hf_config.model_type in f.model_types)
         for name, layout in LAYOUTS.items():
-            if name == "fsdp4" and not family.router_class:
+            if name == "ep2_fsdp2" and not family.router_class:
                 continue
             for source in ("init", "hf"):
                 extra = (

@@ -14,15 +14,17 @@ import torch
 from torch import nn
 
 
+def expert_tokens(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """[layers, experts]: how many (token, k) assignments each layer's router gave each expert (its top-k)."""
+    chosen = torch.stack([logits.topk(top_k, dim=-1).indices.flatten() for logits in router_logits])
+    counts = torch.zeros(len(router_logits), num_experts, dtype=torch.long, device=chosen.device)
+    return counts.scatter_add_(1, chosen, torch.ones_like(chosen))  # not bincount: a fixed shape, for fake mode
+
+
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
     """``router_logits``: each layer's [tokens, experts] logits."""
-    logits = torch.cat(router_logits).float()
-    probs = logits.softmax(dim=-1)
-    chosen = probs.topk(top_k, dim=-1).indices
-    assigned = torch.zeros(num_experts, device=logits.device).scatter_add_(
-        0, chosen.flatten(), torch.ones(chosen.numel(), device=logits.device)
-    )
-    f = assigned / logits.shape[0]  # assignments per routed token (sums to top_k)
+    probs = torch.cat(router_logits).float().softmax(dim=-1)
+    f = expert_tokens(router_logits, num_experts, top_k).sum(0) / probs.shape[0]  # per routed token: sums to top_k
     return num_experts * (f * probs.mean(dim=0)).sum()
 
 

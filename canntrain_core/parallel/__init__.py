@@ -1,6 +1,6 @@
 """parallelize: apply a recipe's layout to a CausalLM in torchtitan's order.
 
-PP split -> tensor parallel -> activation recompute -> torch.compile -> FSDP2 / DDP.
+PP split -> tensor parallel -> expert parallel -> activation recompute -> torch.compile -> FSDP2 / DDP.
 Returns the pipeline schedule when pipeline parallel is on, else None.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from canntrain_core.parallel.data_parallel import apply_ddp, apply_fsdp
+from canntrain_core.parallel.expert import apply_ep
 from canntrain_core.parallel.pp import build_schedule, split_stage
 from canntrain_core.parallel.recompute import apply_recompute
 from canntrain_core.parallel.tp import apply_tp
@@ -18,24 +19,25 @@ from canntrain_core.sizing.layout import Layout
 def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool = True):
     """``trainable=False``: a frozen model (a reference, a reward model) is sharded like the trained one but
     never wrapped by DDP, which has no gradient to synchronise and refuses a module without one."""
-    names = mesh.mesh_dim_names if mesh is not None else ()
     if dims.pp > 1:
         split_stage(model, mesh.get_local_rank("pp"), dims.pp)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], recipe.distributed.sequence_parallel, recipe.distributed.vocab_parallel)
+    if dims.ep > 1:
+        apply_ep(model, mesh["ep"])
     apply_recompute(model, recipe.model.activation_checkpointing)
     if recipe.model.compile:
         for layer in model.layers():
             layer.compile()
     if dims.dp_shard > 1:
-        dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
         apply_fsdp(
             model,
-            mesh[dp_names],
+            dims.shard_mesh(mesh),
             recipe.distributed.zero_optimization,
             recipe.model.precision,
             recipe.optim.offload_optimizer,
             pipeline=dims.pp > 1,
+            expert_mesh=mesh["dp_shard_mod_ep"] if dims.ep > 1 else None,
         )
     elif dims.dp_replicate > 1 and trainable:
         apply_ddp(model, mesh["dp_replicate"])

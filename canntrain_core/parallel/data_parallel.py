@@ -26,12 +26,22 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from canntrain_core.parallel.expert import experts_of
+
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_fsdp(
-    model, dp_mesh: DeviceMesh, zero_stage: int, precision: str = "fp32", offload: bool = False, pipeline: bool = False
+    model,
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    precision: str = "fp32",
+    offload: bool = False,
+    pipeline: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
+    """``expert_mesh`` (expert parallel: dp_shard_mod_ep): experts already split over ``ep`` are sharded over it
+    alone (``parallel.expert`` scales their gradients for the ep ranks' share)."""
     reshard = zero_stage >= 3 and not pipeline
     kwargs = {
         "mesh": dp_mesh,
@@ -43,6 +53,9 @@ def apply_fsdp(
         "offload_policy": CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if offload else OffloadPolicy(),
     }
     for layer in model.layers():
+        experts = experts_of(layer) if expert_mesh is not None else None
+        if experts is not None:
+            fully_shard(experts, **{**kwargs, "mesh": expert_mesh})
         fully_shard(layer, **kwargs)
     # The root keeps embedding, final norm and head: it is gathered for the whole forward.
     fully_shard(model, **kwargs)

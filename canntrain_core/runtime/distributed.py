@@ -2,7 +2,9 @@
 
 Mesh dimensions, outermost first, as torchtitan names them: pp, dp_replicate, dp_shard, cp, tp.
 Data parallelism is `dp_replicate` (plain DDP, zero_optimization 0) or `dp_shard` (FSDP2,
-zero_optimization 1-3). Only dimensions larger than one are built.
+zero_optimization 1-3). Only dimensions larger than one are built. Expert parallelism borrows its ranks
+from `dp_shard`, as torchtitan's does: the mesh holds `dp_shard_mod_ep` x `ep` (kept even at size one),
+flattened back into `dp_shard` for everything that is not an expert.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class ParallelDims:
     dp_shard: int
     cp: int
     tp: int
+    ep: int = 1  # ranks of dp_shard that split the experts between them
 
     @classmethod
     def from_layout(cls, layout: Layout) -> "ParallelDims":
@@ -37,6 +40,7 @@ class ParallelDims:
             dp_shard=layout.dp_shard,
             cp=layout.cp,
             tp=layout.tp,
+            ep=layout.ep,
         )
 
     @classmethod
@@ -66,12 +70,27 @@ class ParallelDims:
         ]
         return [(n, s) for n, s in dims if s > 1]
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+    def mesh_sizes(self) -> list[tuple[str, int]]:
+        """The built mesh's dimensions: ``named_sizes`` with dp_shard split as dp_shard_mod_ep x ep under EP."""
         named = self.named_sizes()
+        if self.ep == 1:
+            return named
+        at = [n for n, _ in named].index("dp_shard")
+        return named[:at] + [("dp_shard_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)] + named[at + 1 :]
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        named = self.mesh_sizes()
         if not named:
             return None
         names, sizes = zip(*named)
         return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+
+    def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP2 shards over: dp_shard (dp_replicate x dp_shard for HSDP); under EP, dp_shard_mod_ep x
+        ep flattened (made once, then cached by the root mesh)."""
+        if self.ep > 1:
+            return mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        return mesh[tuple(n for n in ("dp_replicate", "dp_shard") if n in mesh.mesh_dim_names)]
 
 
 def init_distributed(acc: Accelerator, d: DistributedConfig, extra_ranks: int = 0) -> int:
@@ -145,7 +164,7 @@ def dp_coordinates(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, in
         return 0, 1
     names = mesh.mesh_dim_names
     r = mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
-    s = mesh.get_local_rank("dp_shard") if "dp_shard" in names else 0
+    s = dims.shard_mesh(mesh).get_local_rank() if dims.dp_shard > 1 else 0
     return r * dims.dp_shard + s, dims.dp
 
 

@@ -120,11 +120,26 @@ def comm_per_step(
                 "bytes": 3 * grad_accum * 2 * (t - 1) / t * batch_size * seq_length * 4,
             }
         )
-    n = dims.dp
+    n, ep = dims.dp, getattr(dims, "ep", 1)
+    if ep > 1:
+        # parallel/expert.py: each MoE layer's dispatch and combine, and their mirrors in backward; even routing
+        # sends (ep-1)/ep of a rank's (token, k) rows away (the per-expert counts exchanged first are left out)
+        calls = 4 * (layers // dims.pp) * grad_accum
+        routed = batch_size * seq_length * shape.experts_per_token * h * act_bytes
+        rows.append(
+            {
+                "strategy": "EP",
+                "collective": "all-to-all (routed tokens)",
+                "calls": calls,
+                "bytes": calls * (ep - 1) / ep * routed,
+            }
+        )
     if n > 1:
+        # FSDP2 shards the rank's experts over dp/ep ranks, everything else over dp (parallel/data_parallel.py)
+        experts = shape.expert_params() / dims.pp
+        fsdp_share = (tp_local - experts) * (n - 1) / n + experts / ep * (n // ep - 1) / (n // ep)
         grads = tp_local * 4  # gradients reduce in fp32
         if dims.dp_shard > 1:
-            gathered = tp_local * (2 if half else 4)  # MixedPrecisionPolicy: 16-bit parameters
             if fsdp_syncs_once_per_step(zero_stage, dims.pp):
                 gathers, scatters = 1, 1
             else:
@@ -134,7 +149,7 @@ def comm_per_step(
                     "strategy": "FSDP",
                     "collective": "all-gather (parameters)",
                     "calls": gathers,
-                    "bytes": gathers * (n - 1) / n * gathered,
+                    "bytes": gathers * fsdp_share * (2 if half else 4),  # MixedPrecisionPolicy: 16-bit parameters
                 }
             )
             rows.append(
@@ -142,7 +157,7 @@ def comm_per_step(
                     "strategy": "FSDP",
                     "collective": "reduce-scatter (gradients)",
                     "calls": scatters,
-                    "bytes": rs_factor * scatters * (n - 1) / n * grads,
+                    "bytes": rs_factor * scatters * fsdp_share * 4,
                 }
             )
         else:

@@ -129,11 +129,13 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     notes: list[str] = []
     tp, h, V = s.tp, shape.hidden_size, shape.out_rows  # V: rows of the output projection and the logits
     shard = s.dp * s.cp  # ZeRO/FSDP shards over data (and context) parallel ranks
-    matrices = shape.layer_matrices()
-    if shape.kind == "moe":  # experts spread over ep (ZeRO then shards them over dp*cp like the rest: simplified)
+    matrices = at_rest = shape.layer_matrices()
+    local_experts = 0
+    if shape.kind == "moe":  # a rank gathers and computes with its ep share of the experts (parallel/expert.py)
         dense = [m for m in matrices if not m[0].endswith("_proj") or m[0] in ("q_proj", "k_proj", "v_proj", "o_proj")]
         experts = [m for m in matrices if m not in dense]
         matrices = dense + experts[: len(experts) // s.ep]
+        local_experts = sum(o * i for _, o, i in experts[: len(experts) // s.ep]) // tp
     # ---- element counts per rank, before ZeRO
     layer_elems = sum(o * i for _, o, i in matrices) // tp + _vectors_per_rank(shape, tp)
     vtp = tp if s.vocab_parallel else 1
@@ -145,9 +147,12 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
             shape.head_params() - (0 if shape.tie_embeddings else V * h) + (0 if shape.tie_embeddings else V * h // vtp)
         )
     elems = st.layers * layer_elems + emb + head
-    train_layer = _trainable(shape, s, matrices)
+    # FSDP2 shards a rank's experts over dp*cp/ep ranks only: at rest it holds 1/(dp*cp) of all of them, as
+    # without EP; what EP saves is the gathered layer (and, without FSDP, the experts at rest)
+    elems_at_rest = elems + (st.layers * local_experts * (s.ep - 1) if s.fsdp else 0)
+    train_layer = _trainable(shape, s, at_rest if s.fsdp else matrices)
     if s.lora is None:
-        trainable = elems
+        trainable = elems_at_rest
         out_proj = 0 if shape.tie_embeddings else V * h // vtp
         tensors = ([emb] if emb else []) + train_layer * st.layers + ([head - out_proj, out_proj] if head else [])
     else:
@@ -169,7 +174,7 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     div_p = shard if fsdp else 1
     div_g = shard if fsdp and not full_grads else 1
     div_o = shard if s.zero >= 1 else 1
-    params = p_b * elems // div_p
+    params = p_b * elems_at_rest // div_p
     gathered = c_b * elems if keeps_gathered else 0  # only between forward and the last backward
     grads = g_b * trainable // div_g
     opt = o_b * trainable // div_o

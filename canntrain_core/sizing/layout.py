@@ -175,10 +175,10 @@ def layout_problems(
         experts = getattr(model, "num_experts", 1)
         if L.ep > 1 and (experts <= 1 or experts % L.ep):
             out.append(f"distributed.expert_parallel_size={L.ep} must divide the model's {experts} expert(s)")
-        elif L.ep > 1:
+        elif L.ep > 1 and L.zero == 0:
             out.append(
-                "distributed.expert_parallel_size > 1 is estimated by the memory planner but not run by the trainer "
-                "yet; set it to 1 (FSDP2 shards the experts over the data-parallel ranks)"
+                "distributed.expert_parallel_size > 1 needs zero_optimization >= 1: expert parallel borrows its "
+                "ranks from FSDP2's data-parallel ranks"
             )
     if devices_per_node and L.tp > 1 and devices_per_node % L.tp and not allow_cross_node_tp:
         out.append(

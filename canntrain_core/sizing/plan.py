@@ -9,7 +9,7 @@ Cost model (per optimizer step, seconds; nothing overlaps, so it is a pessimisti
   the layers);
 * traffic  = ``sizing/comm.py``'s bytes per device per step (the definition the overhead benchmark
   checks on the wire) over the intra-node link when the group fits in one node, the inter-node link
-  otherwise; cp adds a ring pass of k and v per layer and micro-batch;
+  otherwise; cp adds a ring pass of k and v per layer and micro-batch; ep its all-to-alls of routed tokens;
 * bubble   = (compute + tp/cp) scaled by (pp - 1) / m: the pipeline's idle share with m micro-batches.
 """
 
@@ -102,7 +102,7 @@ def step_time(
     )
     traffic = {
         k: sum(r["bytes"] for r in rows if r["strategy"] in names)
-        for k, names in (("tp", ("TP", "TP+SP")), ("dp", ("DP", "FSDP")), ("pp", ("PP",)))
+        for k, names in (("tp", ("TP", "TP+SP")), ("dp", ("DP", "FSDP")), ("pp", ("PP",)), ("ep", ("EP",)))
     }
     tp_comm = traffic["tp"] / bw(s.tp)
     cp_comm = 0.0
@@ -111,11 +111,13 @@ def step_time(
         cp_comm = math.ceil(shape.num_layers / s.pp) * m * 3 * (s.cp - 1) * kv / bw(s.tp * s.cp)
     dp_comm = traffic["dp"] / bw(s.tp * s.cp * s.dp)
     pp_comm = traffic["pp"] / bw(s.tp * s.cp * s.dp * 2)
-    busy = compute + tp_comm + cp_comm
+    ep_comm = traffic["ep"] / bw(s.tp * s.cp * s.ep)  # ep: consecutive data-parallel ranks
+    busy = compute + tp_comm + cp_comm + ep_comm  # a token waits for its experts' exchange
     bubble = busy * (s.pp - 1) / m if s.pp > 1 else 0.0
     return {
         "compute": compute,
         "tp_cp_comm": tp_comm + cp_comm,
+        "ep_comm": ep_comm,
         "dp_comm": dp_comm,
         "pp_comm": pp_comm,
         "bubble": bubble,
@@ -217,6 +219,8 @@ def _remarks(s: TrainSetup, parts: dict[str, float], devices_per_node: int) -> l
         out.append(f"pipeline bubble {parts['bubble'] / total:.0%} of the step (m={s.microbatches}, pp={s.pp})")
     if parts["dp_comm"] / total > 0.2:
         out.append(f"gradient traffic {parts['dp_comm'] / total:.0%} of the step")
+    if parts["ep_comm"] / total > 0.2:
+        out.append(f"expert all-to-all {parts['ep_comm'] / total:.0%} of the step")
     if s.pp > 8:
         out.append("pp > 8: outside the usual 4-8 range")
     return out

@@ -139,13 +139,21 @@ class ModelShape:
         matmul = self.num_layers * layer + self.out_rows * h
         return 6.0 * matmul + 12.0 * self.num_layers * h * seq_length
 
+    def expert_params(self) -> int:
+        """Parameters of every layer's experts (0 for a dense model): what expert parallelism splits."""
+        return (
+            self.num_layers * self.num_experts * 3 * self.hidden_size * self.intermediate_size
+            if self.kind == "moe"
+            else 0
+        )
+
     def active_params(self) -> int:
         """Parameters one token goes through (MoE: only experts_per_token experts)."""
         if self.kind != "moe":
             return self.num_params()
-        h, i = self.hidden_size, self.intermediate_size
-        idle = (self.num_experts - self.experts_per_token) * 3 * h * i
-        return self.num_params() - self.num_layers * idle
+        return (
+            self.num_params() - self.expert_params() * (self.num_experts - self.experts_per_token) // self.num_experts
+        )
 
 
 # Shapes without model code (public configs of GPT-3's sizes): the estimator and the planner only.

@@ -151,6 +151,7 @@ class Trainer:
         built = self.build_model(config, fill=resume_path is None)
         self.model, self.schedule = built.model, built.schedule
         self.aux_loss: torch.Tensor | None = None  # a mixture of experts' load-balancing loss over the last step
+        self.expert_tokens: torch.Tensor | None = None  # and its routed tokens per layer and expert since the last log
         # an adapted model (LoRA) checkpoints its adapters only; they name the base they adapt
         self.adapters_only = has_adapters(self.model)
         if resume_path is not None and self.adapters_only:
@@ -373,6 +374,7 @@ class Trainer:
         }
         if self.aux_loss is not None:  # MoE: "loss" holds router_aux_loss_coef x it, as transformers' loss does
             record["aux_loss"] = self._mean_over_ranks(self.aux_loss)
+            record.update(self._expert_balance())
         if "padding_fraction" in self.data.info:  # instruction rows: tokens that are not padding
             record["real_tokens_per_second"] = record["tokens_per_second"] * (1 - self.data.info["padding_fraction"])
         return record
@@ -415,6 +417,9 @@ class Trainer:
             loss_sum += part.detach()
             if self.aux_loss is not None:  # a mixture of experts: its load-balancing loss, logged apart
                 self.aux_loss += self.model.aux_loss / len(parts)
+                if self.expert_tokens is None:
+                    self.expert_tokens = torch.zeros_like(self.model.expert_tokens)
+                self.expert_tokens += self.model.expert_tokens
         return loss_sum
 
     def _model_args(self, batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -467,6 +472,20 @@ class Trainer:
         where = f"the last checkpoint, {last}, is intact" if last else "no checkpoint was written yet"
         hint = oom_hint(self.recipe, capacity, self.model_config)
         return OutOfMemory(f"step {self.step + 1}: {error}\n{hint}\n{where}")
+
+    def _expert_balance(self) -> dict[str, Any]:
+        """Routed tokens per layer and expert since the last log, over all ranks (``expert_tokens``: a list per
+        layer), and their min / mean / max; resets the count. Even routing gives min == mean == max."""
+        counts, self.expert_tokens = self.expert_tokens, None
+        if dist.is_initialized():  # a mixture of experts runs over data-parallel ranks only: each its own tokens
+            dist.all_reduce(counts)
+        c = counts.float()
+        return {
+            "expert_tokens": counts.tolist(),
+            "expert_tokens_min": c.min().item(),
+            "expert_tokens_mean": c.mean().item(),
+            "expert_tokens_max": c.max().item(),
+        }
 
     def _mean_over_ranks(self, loss: torch.Tensor) -> float:
         """The loss averaged over data-parallel ranks (tp ranks hold copies; only the last pp stage has one)."""

@@ -86,3 +86,29 @@ def plot_alignment(run_dir: str | Path, out: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def expert_balance_figure(run_dir: str | Path):
+    """A mixture of experts' routing from metrics.jsonl: the busiest and the idlest expert against the mean over
+    training (1 is even routing), and the last logged interval's share of each layer's tokens per expert."""
+    rows = [r for r in read_metrics(run_dir) if "expert_tokens" in r]
+    if not rows:
+        raise ValueError(f"{run_dir}: metrics.jsonl has no expert_tokens (not a mixture of experts' run)")
+    fig, (ax, heat) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [1.3, 1]})
+    steps = [r["step"] for r in rows]
+    for key, label in (("expert_tokens_max", "busiest expert"), ("expert_tokens_min", "idlest expert")):
+        ax.plot(steps, [r[key] / r["expert_tokens_mean"] for r in rows], "o-" if len(rows) < 6 else "-", label=label)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens / mean tokens per expert")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    last = rows[-1]["expert_tokens"]
+    share = [[n / max(sum(layer), 1) for n in layer] for layer in last]
+    im = heat.imshow(share, aspect="auto", cmap="viridis")
+    heat.set_xlabel("expert")
+    heat.set_ylabel("layer")
+    heat.set_title(f"share of a layer's tokens, step {rows[-1]['step']}")
+    fig.colorbar(im, ax=heat)
+    fig.tight_layout()
+    return fig

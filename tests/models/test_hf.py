@@ -144,7 +144,7 @@ def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(fam
     single = build_training_model(recipe, model_config(recipe.model), torch.device("cpu")).model
     want = {n: p.detach() for n, p in single.named_parameters()}
     # a tied preset has no pipeline layout (the embedding and the head would sit on different stages)
-    layouts = ("fsdp2_tp2", "fsdp2_tp2_sp", "pp2_fsdp2", "fsdp4")
+    layouts = ("fsdp2_tp2", "fsdp2_tp2_sp", "pp2_fsdp2", "ep2_fsdp2")
     run = [layout for layout in layouts if (four_ranks / f"{family}-{layout}-init-rank0.pt").is_file()]
     assert run, [_refused(four_ranks, family, layout) for layout in layouts]
     for layout in run:
@@ -153,19 +153,22 @@ def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(fam
             got.update(torch.load(four_ranks / f"{family}-{layout}-init-rank{rank}.pt")["params"])
         assert sorted(got) == sorted(want)
         assert all(torch.equal(got[n], want[n]) for n in want), layout  # bit for bit
-    saved = torch.load(four_ranks / f"{family}-{run[0]}-hf-rank0.pt")  # FSDP2 x TP2 (a mixture of experts: FSDP2)
+    saved = torch.load(four_ranks / f"{family}-{run[0]}-hf-rank0.pt")  # FSDP2 x TP2 (a mixture of experts: EP2 x FSDP2)
     with torch.no_grad():
         assert (saved["logits"] - hf(IDS).logits).abs().max() <= LOGITS_TOL
     q = next(r for r in saved["loaded"] if r["tensor"] == "model.layers.0.self_attn.q_proj.weight")
     rows = single.model.layers[0].self_attn.q_proj.out_features  # rank 0's quarter: TP rows then FSDP's half, or FSDP's
     assert q["shape"] == [rows, 128] and q["slice"] == f"[0:{rows // 4}, 0:128]"
+    if FAMILIES[family].router_class:  # rank 0 holds experts 0-1 of 8 (ep's half, FSDP2's half): it reads theirs only
+        read = {r["slice"].split(",")[0] for r in saved["loaded"] if ".experts." in r["tensor"]}
+        assert read == {"[0:2"}, read
 
 
-# a mixture of experts runs under FSDP2 only while TP and PP are not built for it (tests/_hf_ranks.py)
+# a mixture of experts runs under EP x FSDP2 only while TP and PP are not built for it (tests/_hf_ranks.py)
 SGD_LAYOUTS = [
     (family, layout)
     for family, f in FAMILIES.items()
-    for layout in (("fsdp4",) if f.router_class else ("fsdp2_tp2", "fsdp2_tp2_sp"))
+    for layout in (("ep2_fsdp2",) if f.router_class else ("fsdp2_tp2", "fsdp2_tp2_sp"))
 ]
 
 

@@ -13,7 +13,11 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from canntrain_core.models.lm import CausalLM
 from canntrain_core.models.moe import load_balancing_loss
 from canntrain_core.models.registry import build_model
+from canntrain_core.sizing.layout import Layout, layout_problems
+from canntrain_core.sizing.shapes import shape_from_preset
 from canntrain_core.train.trainer import Trainer
+
+TINY = shape_from_preset("tiny")
 
 
 def test_load_balancing_loss_is_transformers_formula():
@@ -54,12 +58,49 @@ def test_the_trainer_logs_the_router_loss(tmp_path, fast_recipe):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     aux = [r["aux_loss"] for r in rows if "loss" in r]
     assert len(aux) == 2 and all(0 < a <= 8 * 2 for a in aux)  # between balanced and every token on one expert
+    routed = 2 * recipe.data.batch_size * recipe.data.seq_length * 2  # per log interval: steps x tokens x top-2
+    for r in (r for r in rows if "loss" in r):
+        assert [sum(layer) for layer in r["expert_tokens"]] == [routed] * 4  # four layers, every token twice
+        assert r["expert_tokens_mean"] == routed / 8
+        assert r["expert_tokens_min"] == min(map(min, r["expert_tokens"])) <= routed / 8 <= r["expert_tokens_max"]
 
 
-def test_expert_parallel_is_refused_until_the_trainer_runs_it():
-    from canntrain_core.sizing.layout import Layout, layout_problems
-    from canntrain_core.sizing.shapes import shape_from_preset
+def test_expert_parallel_borrows_fsdp_ranks():
+    moe = shape_from_preset("tiny-moe")
+    assert layout_problems(Layout(dp=2, ep=2, zero=3), moe) == []
+    assert any("needs zero_optimization >= 1" in p for p in layout_problems(Layout(dp=2, ep=2, zero=0), moe))
+    assert any("must divide the model's 1 expert" in p for p in layout_problems(Layout(dp=2, ep=2, zero=3), TINY))
+    assert Layout(dp=2, ep=4, zero=3).size_problem() == (
+        "expert_parallel_size=4 must divide data_parallel_size x context_parallel_size = 2"
+    )
 
-    layout = Layout(pp=1, dp=2, cp=1, tp=1, ep=2, zero=3)
-    problems = layout_problems(layout, shape_from_preset("tiny-moe"))
-    assert any("expert_parallel_size > 1" in p for p in problems), problems
+
+def test_the_balance_plot_reads_the_logged_counts(tmp_path):
+    from canntrain_core.viz.plots import expert_balance_figure
+
+    rows = [
+        {
+            "step": 2,
+            "loss": 5.0,
+            "expert_tokens": [[3, 1], [2, 2]],
+            "expert_tokens_min": 1,
+            "expert_tokens_mean": 2,
+            "expert_tokens_max": 3,
+        },
+        {
+            "step": 4,
+            "loss": 4.0,
+            "expert_tokens": [[2, 2], [4, 0]],
+            "expert_tokens_min": 0,
+            "expert_tokens_mean": 2,
+            "expert_tokens_max": 4,
+        },
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = expert_balance_figure(tmp_path)
+    busiest, idlest = fig.axes[0].lines[:2]
+    assert list(busiest.get_ydata()) == [1.5, 2.0] and list(idlest.get_ydata()) == [0.5, 0.0]
+    assert fig.axes[1].images[0].get_array().tolist() == [[0.5, 0.5], [1.0, 0.0]]  # the last interval's shares
+    with pytest.raises(ValueError, match="no expert_tokens"):
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+        expert_balance_figure(tmp_path)

@@ -106,9 +106,19 @@ def test_offload_moves_optimizer_to_host_and_lora_shrinks_states():
 
 
 def test_expert_parallel_divides_experts():
+    """Without FSDP a rank holds its ep share of the experts; under FSDP2 it holds 1/dp of every tensor either
+    way (EP's experts sharded over dp/ep), and EP shrinks the gathered layer: 8x7B's experts are 97.1 % of a
+    layer, so FSDP8's two gathered bf16 blocks fall from 5.41 to 0.81 GiB with ep 8."""
     shape = shape_from_preset("mixtral-8x7b")
     s = TrainSetup(micro_batch=1, seq_length=4096, dp=8)
     assert estimate(shape, s.but(ep=8)).states["parameters"] < estimate(shape, s).states["parameters"] / 4
+    f = s.but(zero=3, precision="bf16")
+    one, eight = estimate(shape, f), estimate(shape, f.but(ep=8))
+    assert one.states == eight.states  # parameters, gradients, optimizer states at rest
+    layer = sum(o * i for _, o, i in shape.layer_matrices()) + shape.layer_vectors()
+    experts = 8 * 3 * 4096 * 14336
+    assert one.categories["communication_buffers"] == 2 * 2 * layer
+    assert eight.categories["communication_buffers"] == 2 * 2 * (layer - experts + experts // 8)
 
 
 def test_fits_and_errors_name_the_bad_value():

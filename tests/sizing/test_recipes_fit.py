@@ -7,7 +7,8 @@ Measured: 7b_pretrain 25.3 GiB of 64 (0.04 % off the best plan), 70b_pretrain 46
 llama3_8b_pretrain 30.9 GiB (TP4 x DP8 with the vocabulary-parallel head, seq 8192: the best with 10 % to
 spare), qwen2.5_7b_sft 50.0 GiB (TP2 x DP4 with the vocabulary-parallel head: the best), qwen2.5_7b_lora
 40.0 GiB (one device, full recompute: the only level that leaves 10 % to spare), gpt2_pretrain 17.9 GiB
-(DP8 ZeRO-1: the best). Alignment recipes hold
+(DP8 ZeRO-1: the best), mixtral_8x7b_pretrain 50.7 GiB (EP8 x FSDP2 over 32: the best), mixtral_8x7b_sft
+51.9 GiB (EP8 x FSDP2 over 16: the best). Alignment recipes hold
 several models, which the planner does not model: their trained and scorer ranks fit by
 ``memory.alignment`` (7b_ppo: 32.9 GiB on a trained rank, 28.8 GiB on a scorer rank).
 """
@@ -39,6 +40,8 @@ def test_the_real_recipes_name_their_device():
         "gpt2_pretrain.yaml",
         "qwen2.5_7b_sft.yaml",
         "qwen2.5_7b_lora.yaml",
+        "mixtral_8x7b_pretrain.yaml",
+        "mixtral_8x7b_sft.yaml",
     }
 
 

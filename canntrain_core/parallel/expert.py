@@ -1,0 +1,137 @@
+"""Expert parallelism: each rank of an ``ep`` group holds ``num_experts / ep`` of a layer's experts, and each
+token travels to the ranks of its top-k experts and back (torchtitan's scheme, on transformers' MoE blocks).
+
+A layer's experts are two 3-D tensors (transformers' ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]),
+sharded on their first dimension over ``ep`` as DTensors (so checkpoints reshard across EP sizes and the
+seeded init and ``init_from`` fill each rank's experts as for any placement). The forward:
+
+1. dispatch: sort the (token, k) pairs by expert, exchange the per-expert counts, then the tokens, with
+   ``all_to_all_single`` and uneven splits (one exchange forward, the reverse one in backward);
+2. run this rank's experts on the tokens it received, grouped by expert (``expert_mlp``);
+3. combine: the reverse exchange, each result back at its (token, k) position, weighted by the router.
+
+FSDP2 shards each rank's experts further over ``dp_shard_mod_ep`` (``data_parallel.apply_fsdp``) and averages
+their gradients over it; every ``ep`` rank's tokens reached them too, so their gradient is divided by ``ep`` on
+the way back (torchtitan sets FSDP2's divide factor instead: a PREMUL_SUM reduction, which gloo does not have).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def dispatch(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group):
+    """Send each (token, k) pair to the rank holding its expert. Returns the rows this rank's experts take,
+    grouped by local expert, their counts per local expert, and what ``combine`` needs to send results back."""
+    ep = dist.get_world_size(group)
+    local = num_experts // ep
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by expert, so by destination rank
+    send = x[order // top_k_index.shape[1]]
+    counts = torch.bincount(flat, minlength=num_experts)
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)  # [source rank][local expert]
+    in_splits = counts.view(ep, local).sum(1).tolist()
+    out_splits = received_counts.view(ep, local).sum(1).tolist()
+    received = _AllToAll.apply(send, out_splits, in_splits, group)  # by source rank, then local expert
+    by_source = received_counts.view(ep, local)
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), by_source.reshape(-1))
+    regroup = torch.argsort(expert_of_row, stable=True)
+    return received[regroup], by_source.sum(0).tolist(), (order, regroup, in_splits, out_splits, group)
+
+
+def combine(y: torch.Tensor, state) -> torch.Tensor:
+    """The inverse of ``dispatch``: each row of ``y`` back on the rank and at the (token, k) place it came from,
+    as [tokens x k, hidden] in ``top_k_index``'s order."""
+    order, regroup, in_splits, out_splits, group = state
+    returned = _AllToAll.apply(y[torch.argsort(regroup)], in_splits, out_splits, group)
+    return returned[torch.argsort(order)]
+
+
+def expert_mlp(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
+    """SwiGLU experts on rows grouped by expert (``counts`` rows each): one grouped matmul per projection where
+    the device has one (``torch._grouped_mm``: CUDA, bf16), else a loop over the experts (the CPU reference)."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offs)
+    outs = []
+    for e, rows in enumerate(x.split(counts)):
+        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(act(gate) * up, down[e]))
+    return torch.cat(outs)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _local(p: torch.Tensor, ep: int) -> torch.Tensor:
+    """This rank's experts of ``p`` (a DTensor sharded over ep), the gradient averaged over the ep ranks' tokens."""
+    return _ScaleGrad.apply(p.to_local() if isinstance(p, DTensor) else p, 1.0 / ep)
+
+
+def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """transformers' experts' forward (same arguments, same result) with the experts spread over ``ep``."""
+    tokens, counts, state = dispatch(hidden_states, top_k_index, self.num_experts, self.ep_group)
+    ep = dist.get_world_size(self.ep_group)
+    y = expert_mlp(tokens, counts, _local(self.gate_up_proj, ep), _local(self.down_proj, ep), self.act_fn)
+    out = combine(y, state).view(*top_k_index.shape, -1) * top_k_weights[..., None]
+    return out.sum(1).to(hidden_states.dtype)
+
+
+def experts_of(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's experts (transformers' ``mlp.experts``: 3-D expert tensors), or None for a dense MLP."""
+    experts = getattr(layer.mlp, "experts", None)
+    return experts if experts is not None and hasattr(experts, EXPERT_TENSORS[0]) else None
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every layer's experts over ``ep_mesh`` on the expert dimension and route tokens to them."""
+    for layer in model.layers():
+        experts = experts_of(layer)
+        if experts is None:
+            continue
+        for name in EXPERT_TENSORS:
+            full = getattr(experts, name)
+            experts.register_parameter(
+                name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None))
+            )
+        experts.ep_group = ep_mesh.get_group()
+        experts.forward = types.MethodType(_forward, experts)
