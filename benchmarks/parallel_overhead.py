@@ -74,11 +74,14 @@ def worker(out: str, steps: int) -> None:
     from canntrain_core.train.trainer import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
+    spec = json.loads((Path(out) / "spec.json").read_text())
     results = {}
-    for name, overrides in LAYOUTS.items():
+    for name, overrides in spec["layouts"].items():
         traffic = {}
         for n in (steps // 3, steps):
-            recipe = load_recipe(RECIPE, {**BASE, "optim.max_steps": n, "distributed.world_size": world, **overrides})
+            recipe = load_recipe(
+                spec["recipe"], {**BASE, "optim.max_steps": n, "distributed.world_size": world, **overrides}
+            )
             trainer = Trainer(recipe, run_dir=Path(out) / f"{name}_{n}", progress=False)
             dist.barrier()
             before = lo_tx_bytes()
@@ -96,7 +99,8 @@ def worker(out: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def measure(recipe_path: Path, layouts: dict, nproc: int, steps: int, title: str, out_name: str) -> None:
+    """Train 1 process, then every layout in one torchrun launch of ``nproc``; print the table, save the JSON."""
     import subprocess
 
     import torch
@@ -108,12 +112,9 @@ def main() -> None:
     from canntrain_core.train.metrics import read_metrics
     from canntrain_core.train.trainer import Trainer
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
-    a = p.parse_args()
     out = tempfile.mkdtemp(prefix="parallel-overhead-")
-    single = load_recipe(RECIPE, {**BASE, "optim.max_steps": a.steps})
+    (Path(out) / "spec.json").write_text(json.dumps({"recipe": str(recipe_path), "layouts": layouts}))
+    single = load_recipe(recipe_path, {**BASE, "optim.max_steps": steps})
     Trainer(single, run_dir=Path(out) / "single", progress=False).fit()
     rows = [r for r in read_metrics(Path(out) / "single") if "loss" in r][2:]
     single_tps = sum(r["tokens_per_second"] for r in rows) / len(rows)
@@ -123,27 +124,24 @@ def main() -> None:
             "-m",
             "torch.distributed.run",
             "--standalone",
-            f"--nproc_per_node={a.nproc}",
-            __file__,
+            f"--nproc_per_node={nproc}",
+            str(Path(__file__).resolve().with_name("parallel_overhead.py")),
             "--worker",
             out,
-            str(a.steps),
+            str(steps),
         ],
         check=True,
     )
     results = json.loads((Path(out) / "results.json").read_text())
 
-    print(
-        f"torch {torch.__version__}, gloo, {a.nproc} processes on {os.cpu_count()} cores, tiny Llama fp32, "
-        f"global batch 8 x 128 tokens\n"
-    )
+    print(f"torch {torch.__version__}, gloo, {nproc} processes on {os.cpu_count()} cores, {title}\n")
     print("| layout | tokens/s per device | vs 1 process | bytes/step measured (all ranks) | estimated | ratio |")
     print("|---|---|---|---|---|---|")
     print(f"| single | {single_tps:,.0f} | 1.00 | 0 | 0 | |")
     for name, res in results.items():
-        recipe = load_recipe(RECIPE, {**BASE, "distributed.world_size": a.nproc, **res["recipe"]})
+        recipe = load_recipe(recipe_path, {**BASE, "distributed.world_size": nproc, **res["recipe"]})
         config = build_config(recipe.model.preset, recipe.model.overrides, recipe.data.tokenizer.vocab_size)
-        est = a.nproc * sum(
+        est = nproc * sum(
             r["bytes"]
             for r in comm_per_step(
                 config,
@@ -164,9 +162,18 @@ def main() -> None:
             f"{measured / 2**20:.1f} MiB | {est / 2**20:.1f} MiB | {measured / est:.2f} |"
         )
     (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
-    (ROOT / "benchmarks" / "out" / "parallel_overhead.json").write_text(
+    (ROOT / "benchmarks" / "out" / out_name).write_text(
         json.dumps({"single_tokens_per_second": single_tps, "layouts": results}, indent=1)
     )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    a = p.parse_args()
+    title = "tiny Llama fp32, global batch 8 x 128 tokens"
+    measure(RECIPE, LAYOUTS, a.nproc, a.steps, title, "parallel_overhead.json")
 
 
 if __name__ == "__main__":
