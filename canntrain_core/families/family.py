@@ -85,6 +85,8 @@ class Family:
     # A mixture of experts: transformers' router module class, whose first output is the router logits (the
     # load-balancing loss reads them); "": a dense model.
     router_class: str = ""
+    # What of a config canntrain does not build, in one line naming the keys ('' : it builds all of it).
+    not_built: Callable[[Any], str] = lambda c: ""
 
     def config_key(self, name: str) -> str:
         """The family config's key for the Llama-named ``name`` ('' when the family has no such field)."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 from canntrain_core.families.family import TINY_SHAPE, Family
 
 
-def _qwen3(**fields):
+def qwen3_fields(**fields):
+    """A public Qwen3's config fields (dense or MoE): head_dim 128, 151,936 tokens, 40,960 positions."""
     return dict(head_dim=128, vocab_size=151936, max_position_embeddings=40960, **fields)
 
 
@@ -36,7 +37,7 @@ QWEN3 = Family(
             TINY_SHAPE,
             head_dim=48,  # wider than hidden / heads (32), as the real small sizes are
         ),
-        "qwen3-0.6b": _qwen3(
+        "qwen3-0.6b": qwen3_fields(
             hidden_size=1024,
             intermediate_size=3072,
             num_hidden_layers=28,
@@ -44,14 +45,14 @@ QWEN3 = Family(
             num_key_value_heads=8,
             tie_word_embeddings=True,
         ),
-        "qwen3-8b": _qwen3(
+        "qwen3-8b": qwen3_fields(
             hidden_size=4096,
             intermediate_size=12288,
             num_hidden_layers=36,
             num_attention_heads=32,
             num_key_value_heads=8,
         ),
-        "qwen3-32b": _qwen3(
+        "qwen3-32b": qwen3_fields(
             hidden_size=5120,
             intermediate_size=25600,
             num_hidden_layers=64,

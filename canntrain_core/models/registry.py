@@ -21,8 +21,9 @@ def build_config(preset: str, overrides: dict[str, Any] | None = None, vocab_siz
     """
     fields = preset_fields(preset, overrides, vocab_size)
     cls = config_class(family_of_preset(preset))
+    known = preset_fields(preset)  # a field the family's presets set (Qwen3-MoE's head_dim: not a config default)
     for key in overrides or {}:
-        if not hasattr(cls(), key):
+        if not hasattr(cls(), key) and key not in known:
             raise KeyError(f"model.overrides.{key}: not a {cls.__name__} field")
     config = cls(**fields)
     config._attn_implementation = "sdpa"
@@ -44,9 +45,19 @@ def model_config(m, vocab_size: int | None = None):
             raise BadInput(f"model.type={m.type}, but {Path(m.init_from) / 'config.json'} holds a {family} model")
         preset = PRESETS[m.preset] if "preset" in m.model_fields_set else None
         check_against_recipe(config, preset, m.overrides, Path(m.init_from))
+        _check_built(config, Path(m.init_from) / "config.json")
         check_weights(config, m.init_from)  # the safetensors are what config.json says
         return config
-    return build_config(m.preset, m.overrides, vocab_size)
+    config = build_config(m.preset, m.overrides, vocab_size)
+    _check_built(config, "model.overrides")
+    return config
+
+
+def _check_built(config, where) -> None:
+    """One line naming what of ``config`` its family does not build (families.family.Family.not_built)."""
+    why = family_of(config).not_built(config)
+    if why:
+        raise BadInput(f"{where}: {why}")
 
 
 def build_model(

@@ -68,6 +68,9 @@ def _per_token(shape: ModelShape, setup: TrainSetup) -> tuple[float, float]:
         sharded = 4 * h + 4 * kv + 4 * a + mlp_half
     if shape.kind == "moe":
         sharded += 4 * shape.num_experts
+    if shape.qk_norm:  # Qwen3's per-head RMSNorm of q and k computes in fp32: its input and normalised output are
+        # kept in fp32 (and, under 16 bits, the cast back)
+        sharded += (8 if setup.precision == "fp32" else 10) * (shape.q_size + shape.kv_size)
     if not setup.flash_attention:  # scores, softmax and its mask: 5*a*s bytes per token (16-bit)
         sharded += 5 * a * setup.seq_length // setup.cp
     return replicated, sharded

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from canntrain_core.families import FAMILIES
 from canntrain_core.models.lm import CausalLM
 from canntrain_core.models.moe import load_balancing_loss
 from canntrain_core.models.registry import build_model
@@ -38,8 +39,10 @@ def test_load_balancing_loss_by_hand():
     assert load_balancing_loss([one], 4, 1).item() == pytest.approx(4.0, abs=1e-6)
 
 
-def test_training_loss_is_transformers_loss_with_router_loss():
-    hf = build_model("tiny-moe", vocab_size=300, seed=0)
+@pytest.mark.parametrize("preset", [f.tiny for f in FAMILIES.values() if f.router_class])
+def test_training_loss_is_transformers_loss_with_router_loss(preset):
+    """Every mixture-of-experts family: transformers' own training loss (its output_router_logits) and aux_loss."""
+    hf = build_model(preset, vocab_size=300, seed=0)
     model = CausalLM(hf).train()
     ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(1))
     x, t = ids[:, :-1], ids[:, 1:]

@@ -123,6 +123,8 @@ PUBLIC = {
     "gpt2-xl": 1_557_611_200,
     "mixtral-8x7b": 46_702_792_704,  # every expert counted; 12,879,925,248 active per token
     "mixtral-8x22b": 140_630_071_296,
+    "qwen3-30b-a3b": 30_532_122_624,  # 3,353,032,704 active per token
+    "qwen3-235b-a22b": 235_093_634_560,
 }
 
 
