@@ -53,6 +53,9 @@ class ModelConfig(_Section):
     # none | selective (every other decoder layer recomputed) | full (every layer)
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     compile: bool = False  # torch.compile each decoder layer
+    # A mixture of experts: each expert takes at most this x an even share of a micro-batch's (token, k)
+    # assignments, the lowest router weights over it dropped (counted as dropped_tokens). None: none dropped.
+    expert_capacity_factor: float | None = Field(None, gt=0)
 
     @field_validator("preset")
     @classmethod
@@ -73,6 +76,10 @@ class ModelConfig(_Section):
         family = PRESET_FAMILY[self.preset].name  # (init_from's family is checked against config.json)
         if self.type is not None and not self.init_from and self.type != family:
             raise ValueError(f"model.type={self.type} but model.preset={self.preset} is a {family} model")
+        if self.expert_capacity_factor is not None and not FAMILIES[self.family].router_class:
+            raise ValueError(
+                f"model.expert_capacity_factor is for a mixture of experts; {self.family} models have no experts"
+            )
         return self
 
     @property

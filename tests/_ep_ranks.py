@@ -4,7 +4,8 @@
 
 Saves OUT/rank<R>.pt: whether dispatch then combine (no experts in between) returned every (token, k) row to
 its place, the rows each rank's experts received, and the EP experts' output and input gradient beside
-transformers' MixtralExperts on the same full weights (fp64), for a routing that leaves one expert without tokens.
+transformers' MixtralExperts on the same full weights (fp64), for a routing that leaves one expert without tokens;
+and the same with a capacity of 2 pairs per expert (transformers' experts given the dropped pairs' weights as 0).
 """
 
 import sys
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from canntrain_core.parallel.expert import combine, dispatch
+from canntrain_core.parallel.expert import combine, dispatch, within_capacity
 from canntrain_core.parallel.expert import _forward as ep_forward
 
 
@@ -35,15 +36,20 @@ def main(out: str) -> None:
     weights = torch.rand(tokens, 2, generator=g, dtype=torch.float64)
 
     rows, counts, state = dispatch(x, top_k, 4, dist.group.WORLD)
-    back = combine(rows, state).view(tokens, 2, 16)
+    back = combine(rows, state, 2 * tokens).view(tokens, 2, 16)
     saved = {"roundtrip": torch.equal(back, x[:, None].expand(-1, 2, -1)), "counts": counts}
+    keep = within_capacity(top_k, weights, 2, 4)
+    rows, counts, state = dispatch(x, top_k, 4, dist.group.WORLD, keep)
+    back = combine(rows, state, 2 * tokens).view(tokens, 2, 16)
+    saved["dropped_roundtrip"] = torch.equal(back, x[:, None].expand(-1, 2, -1) * keep[..., None])
+    saved["kept"], saved["kept_counts"] = keep.sum().item(), counts
 
     ours = MixtralExperts(config).double()
     ours.load_state_dict(theirs.state_dict())
     mine = slice(2 * rank, 2 * rank + 2)  # this rank's two experts
     ours.gate_up_proj = torch.nn.Parameter(theirs.gate_up_proj.detach()[mine].clone())
     ours.down_proj = torch.nn.Parameter(theirs.down_proj.detach()[mine].clone())
-    ours.ep_group = dist.group.WORLD
+    ours.ep_group, ours.capacity_factor = dist.group.WORLD, None
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_ours, y_theirs = ep_forward(ours, x1, top_k, weights), theirs(x2, top_k, weights)
     y_ours.square().sum().backward()
@@ -55,6 +61,10 @@ def main(out: str) -> None:
     want = theirs.down_proj.grad.clone()
     dist.all_reduce(want)
     saved["expert_grad_diff"] = (grad - want[mine] / 2).abs().max().item()
+    ours.capacity_factor = 2 * 4 / (2 * tokens) - 1e-9  # ceil(f x pairs / 4 experts) = 2, as above
+    with torch.no_grad():
+        dropped = (ep_forward(ours, x, top_k, weights) - theirs(x, top_k, weights * keep)).abs().max().item()
+    saved["dropped_output_diff"] = dropped
     torch.save(saved, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 

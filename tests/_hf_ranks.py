@@ -4,7 +4,7 @@ rank holds.
     torchrun --nproc_per_node 4 tests/_hf_ranks.py OUT HF_DIR [HF_DIR ...]
 
 For each HF_DIR (a family's tiny model, written by transformers) and each layout (FSDP2 x TP2, with and without
-sequence parallel; PP2 x FSDP2; EP2 x FSDP2 over 4 for a mixture of experts)
+sequence parallel; PP2 x FSDP2; for a mixture of experts EP2 x FSDP2 over 4, and EP2 with attention under TP2 + SP)
 it builds the model twice, seeded from the family's tiny preset and from HF_DIR (``model.init_from``), and
 saves to OUT/<family>-<layout>-<init|hf>-rank<R>.pt the full value of every parameter this rank's stage holds
 (gathered over its data/tensor-parallel peers); for the HF build without a pipeline also the logits of a fixed
@@ -44,6 +44,14 @@ LAYOUTS = {
         "distributed.zero_optimization": 3,
         "distributed.expert_parallel_size": 2,
     },
+    # and with attention split over tp 2 under sequence parallel (the MoE block whole on each tp rank)
+    "ep2_tp2_sp": {
+        "distributed.data_parallel_size": 2,
+        "distributed.zero_optimization": 3,
+        "distributed.expert_parallel_size": 2,
+        "distributed.tensor_parallel_size": 2,
+        "distributed.sequence_parallel": True,
+    },
     "pp2_fsdp2": {
         "distributed.data_parallel_size": 2,
         "distributed.zero_optimization": 3,
@@ -72,8 +80,8 @@ def main(out: str, *hf_dirs: str) -> None:
         hf_config = model_config(load_recipe(None, {"model.init_from": hf_dir}).model)
         family = next(f for f in FAMILIES.values() if hf_config.model_type in f.model_types)
         for name, layout in LAYOUTS.items():
-            if name == "ep2_fsdp2" and not family.router_class:
-                continue
+            if name.startswith("ep2") != bool(family.router_class) and name != "pp2_fsdp2":
+                continue  # a mixture of experts runs its own layouts (TP with EP: ep2_tp2_sp)
             for source in ("init", "hf"):
                 extra = (
                     {"model.init_from": hf_dir}

@@ -1,6 +1,6 @@
 """The model families canntrain builds, one module each (``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``gpt2``,
-``mixtral``, ``qwen3_moe``): pure data that the recipe schema, the estimator, the model builder, the TP plan and
-the kernels read.
+``mixtral``, ``qwen2_moe``, ``qwen3_moe``): pure data that the recipe schema, the estimator, the model builder,
+the TP plan and the kernels read.
 
 Adding a family is one module here (a :class:`~canntrain_core.families.family.Family`) and one entry in
 :data:`FAMILIES`; nothing else names a family.
@@ -17,10 +17,11 @@ from canntrain_core.families.llama import LLAMA
 from canntrain_core.families.mistral import MISTRAL
 from canntrain_core.families.mixtral import MIXTRAL
 from canntrain_core.families.qwen2 import QWEN2
+from canntrain_core.families.qwen2_moe import QWEN2_MOE
 from canntrain_core.families.qwen3 import QWEN3
 from canntrain_core.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GPT2, MIXTRAL, QWEN3_MOE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GPT2, MIXTRAL, QWEN2_MOE, QWEN3_MOE)}
 PRESET_FAMILY: dict[str, Family] = {p: f for f in FAMILIES.values() for p in f.presets}
 _BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.model_types}
 

@@ -4,9 +4,9 @@ by its renormalised probabilities. transformers' MixtralForCausalLM (its experts
 ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``).
 
 Training adds the router's load-balancing loss (Switch Transformer's, as transformers computes it) times
-``router_aux_loss_coef`` (``models.moe.load_balancing_loss``). Tensor, sequence and pipeline parallelism are not
-built for MoE yet: the experts would be replicated over tp, and a pipeline stage's router loss would not reach
-the schedule's loss (FSDP2 over data-parallel ranks is).
+``router_aux_loss_coef`` (``models.moe.load_balancing_loss``). Expert parallelism splits the experts
+(``parallel.expert``); tensor parallelism only the attention (``parallel.tp``); pipeline parallelism is not built
+for MoE yet (a pipeline stage's router loss would not reach the schedule's loss).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from canntrain_core.families import family_of
 from canntrain_core.families.family import layer_windows
-from canntrain_core.models.moe import RouterRecorder, expert_tokens, load_balancing_loss
+from canntrain_core.models.moe import RouterRecorder, dropped_tokens, expert_tokens, load_balancing_loss
 from canntrain_core.parallel.vocab import vocab_parallel_cross_entropy, vocab_sharded
 from canntrain_kernels.reference import plain_cross_entropy
 
@@ -40,6 +40,8 @@ class CausalLM(nn.Module):
             self.top_k = getattr(self.config, family.config_key("experts_per_token"))
         self.aux_loss: torch.Tensor | None = None  # the last training forward's load-balancing loss (unscaled)
         self.expert_tokens: torch.Tensor | None = None  # and its [layers, experts] routed token counts
+        self.dropped_tokens: torch.Tensor | None = None  # and per layer the assignments over capacity
+        self.capacity_factor: float | None = None  # the experts' (set by parallel.expert.route_experts)
 
     def layers(self):
         layers = self.model.layers
@@ -98,12 +100,15 @@ class CausalLM(nn.Module):
         return h if self.pipeline_last_stage else self.lm_head(h)
 
     def _router_loss(self) -> torch.Tensor:
-        """router_aux_loss_coef x the load-balancing loss of this forward's routing (kept in ``aux_loss``, and
-        each layer's tokens per expert in ``expert_tokens``)."""
+        """router_aux_loss_coef x the load-balancing loss of this forward's routing (kept in ``aux_loss``, each
+        layer's tokens per expert in ``expert_tokens``, those over the experts' capacity in ``dropped_tokens``)."""
         logits = self.routers.take()
-        aux = load_balancing_loss(logits, self.experts, self.top_k)
-        self.aux_loss = aux.detach()
         self.expert_tokens = expert_tokens([x.detach() for x in logits], self.experts, self.top_k)
+        if self.capacity_factor is not None:
+            tokens = logits[0].shape[0]
+            self.dropped_tokens = dropped_tokens(self.expert_tokens, tokens, self.top_k, self.capacity_factor)
+        aux = load_balancing_loss(logits, self.expert_tokens)
+        self.aux_loss = aux.detach()
         return self.config.router_aux_loss_coef * aux
 
     pipeline_last_stage = False  # set by parallel.pp.split_stage

@@ -10,6 +10,8 @@ forward pass: per micro-batch and data-parallel rank.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -21,11 +23,24 @@ def expert_tokens(router_logits: list[torch.Tensor], num_experts: int, top_k: in
     return counts.scatter_add_(1, chosen, torch.ones_like(chosen))  # not bincount: a fixed shape, for fake mode
 
 
-def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
-    """``router_logits``: each layer's [tokens, experts] logits."""
+def load_balancing_loss(router_logits: list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+    """``router_logits``: each layer's [tokens, experts] logits; ``counts``: their ``expert_tokens``."""
     probs = torch.cat(router_logits).float().softmax(dim=-1)
-    f = expert_tokens(router_logits, num_experts, top_k).sum(0) / probs.shape[0]  # per routed token: sums to top_k
-    return num_experts * (f * probs.mean(dim=0)).sum()
+    f = counts.sum(0) / probs.shape[0]  # per routed token: sums to top_k
+    return counts.shape[1] * (f * probs.mean(dim=0)).sum()
+
+
+def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float) -> int:
+    """How many (token, k) assignments one expert takes from ``tokens`` tokens at capacity factor ``factor``:
+    ``factor`` x an even share (Megatron's ``moe_expert_capacity_factor``, GShard's capacity)."""
+    return math.ceil(factor * tokens * top_k / num_experts)
+
+
+def dropped_tokens(counts: torch.Tensor, tokens: int, top_k: int, factor: float) -> torch.Tensor:
+    """[layers]: the assignments over their expert's capacity (what the experts' forward leaves out), from each
+    layer's ``expert_tokens`` counts over ``tokens`` tokens."""
+    capacity = expert_capacity(tokens, counts.shape[1], top_k, factor)
+    return (counts - capacity).clamp(min=0).sum(1)
 
 
 class RouterRecorder:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from canntrain_core.parallel.data_parallel import apply_ddp, apply_fsdp
-from canntrain_core.parallel.expert import apply_ep
+from canntrain_core.parallel.expert import route_experts
 from canntrain_core.parallel.pp import build_schedule, split_stage
 from canntrain_core.parallel.recompute import apply_recompute
 from canntrain_core.parallel.tp import apply_tp
@@ -23,8 +23,8 @@ def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool
         split_stage(model, mesh.get_local_rank("pp"), dims.pp)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], recipe.distributed.sequence_parallel, recipe.distributed.vocab_parallel)
-    if dims.ep > 1:
-        apply_ep(model, mesh["ep"])
+    if dims.ep > 1 or recipe.model.expert_capacity_factor is not None:
+        route_experts(model, mesh["ep"] if dims.ep > 1 else None, recipe.model.expert_capacity_factor)
     apply_recompute(model, recipe.model.activation_checkpointing)
     if recipe.model.compile:
         for layer in model.layers():

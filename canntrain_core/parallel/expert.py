@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from canntrain_core.models.moe import expert_capacity
+
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 
 
@@ -47,15 +49,34 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def dispatch(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group):
-    """Send each (token, k) pair to the rank holding its expert. Returns the rows this rank's experts take,
+def within_capacity(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, capacity: int, num_experts: int):
+    """Which (token, k) pairs their expert takes when each takes at most ``capacity``: the highest router weights
+    first (Megatron's "probs" drop policy). A bool tensor shaped like ``top_k_index``."""
+    flat = top_k_index.reshape(-1)
+    by_weight = torch.argsort(top_k_weights.reshape(-1), descending=True, stable=True)
+    order = by_weight[torch.argsort(flat[by_weight], stable=True)]  # by expert, then by weight, highest first
+    counts = torch.bincount(flat, minlength=num_experts)
+    first = counts.cumsum(0) - counts  # each expert's first place in ``order``
+    place = torch.empty_like(order)
+    place[order] = torch.arange(len(order), device=flat.device) - first[flat[order]]
+    return (place < capacity).view_as(top_k_index)
+
+
+def dispatch(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group, keep: torch.Tensor | None = None):
+    """Send each (token, k) pair to the rank holding its expert (``group`` None: every expert is here). ``keep``:
+    the pairs within their expert's capacity, the others are not sent. Returns the rows this rank's experts take,
     grouped by local expert, their counts per local expert, and what ``combine`` needs to send results back."""
-    ep = dist.get_world_size(group)
+    ep = dist.get_world_size(group) if group is not None else 1
     local = num_experts // ep
     flat = top_k_index.reshape(-1)
+    if keep is not None:
+        flat = torch.where(keep.reshape(-1), flat, num_experts)  # a dropped pair sorts past the last expert
     order = torch.argsort(flat, stable=True)  # by expert, so by destination rank
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    order = order[: int(counts.sum())]
     send = x[order // top_k_index.shape[1]]
-    counts = torch.bincount(flat, minlength=num_experts)
+    if group is None:
+        return send, counts.tolist(), (order, None, None, None, None)
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=group)  # [source rank][local expert]
     in_splits = counts.view(ep, local).sum(1).tolist()
@@ -67,12 +88,13 @@ def dispatch(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group
     return received[regroup], by_source.sum(0).tolist(), (order, regroup, in_splits, out_splits, group)
 
 
-def combine(y: torch.Tensor, state) -> torch.Tensor:
+def combine(y: torch.Tensor, state, pairs: int) -> torch.Tensor:
     """The inverse of ``dispatch``: each row of ``y`` back on the rank and at the (token, k) place it came from,
-    as [tokens x k, hidden] in ``top_k_index``'s order."""
+    as [pairs, hidden] in ``top_k_index``'s order (zeros where a pair was dropped)."""
     order, regroup, in_splits, out_splits, group = state
-    returned = _AllToAll.apply(y[torch.argsort(regroup)], in_splits, out_splits, group)
-    return returned[torch.argsort(order)]
+    if group is not None:
+        y = _AllToAll.apply(y[torch.argsort(regroup)], in_splits, out_splits, group)
+    return y.new_zeros((pairs, y.shape[1])).index_copy(0, order, y)
 
 
 def expert_mlp(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
@@ -104,15 +126,21 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _local(p: torch.Tensor, ep: int) -> torch.Tensor:
     """This rank's experts of ``p`` (a DTensor sharded over ep), the gradient averaged over the ep ranks' tokens."""
-    return _ScaleGrad.apply(p.to_local() if isinstance(p, DTensor) else p, 1.0 / ep)
+    p = p.to_local() if isinstance(p, DTensor) else p
+    return p if ep == 1 else _ScaleGrad.apply(p, 1.0 / ep)
 
 
 def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    """transformers' experts' forward (same arguments, same result) with the experts spread over ``ep``."""
-    tokens, counts, state = dispatch(hidden_states, top_k_index, self.num_experts, self.ep_group)
-    ep = dist.get_world_size(self.ep_group)
+    """transformers' experts' forward (same arguments; the same result when nothing is dropped) with the experts
+    spread over ``ep`` and at most ``capacity_factor`` x an even share of the pairs per expert."""
+    keep = None
+    if self.capacity_factor is not None:
+        capacity = expert_capacity(len(top_k_index), self.num_experts, top_k_index.shape[1], self.capacity_factor)
+        keep = within_capacity(top_k_index, top_k_weights, capacity, self.num_experts)
+    tokens, counts, state = dispatch(hidden_states, top_k_index, self.num_experts, self.ep_group, keep)
+    ep = dist.get_world_size(self.ep_group) if self.ep_group is not None else 1
     y = expert_mlp(tokens, counts, _local(self.gate_up_proj, ep), _local(self.down_proj, ep), self.act_fn)
-    out = combine(y, state).view(*top_k_index.shape, -1) * top_k_weights[..., None]
+    out = combine(y, state, top_k_index.numel()).view(*top_k_index.shape, -1) * top_k_weights[..., None]
     return out.sum(1).to(hidden_states.dtype)
 
 
@@ -122,16 +150,21 @@ def experts_of(layer: nn.Module) -> nn.Module | None:
     return experts if experts is not None and hasattr(experts, EXPERT_TENSORS[0]) else None
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard every layer's experts over ``ep_mesh`` on the expert dimension and route tokens to them."""
+def route_experts(model: nn.Module, ep_mesh: DeviceMesh | None, capacity_factor: float | None) -> None:
+    """Every layer's experts run canntrain's forward: sharded over ``ep_mesh`` on the expert dimension (None: all
+    here) with tokens sent to them and back, each expert taking at most ``capacity_factor`` x an even share of
+    the (token, k) pairs (None: every pair, as transformers' experts)."""
     for layer in model.layers():
         experts = experts_of(layer)
         if experts is None:
             continue
-        for name in EXPERT_TENSORS:
-            full = getattr(experts, name)
-            experts.register_parameter(
-                name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None))
-            )
-        experts.ep_group = ep_mesh.get_group()
+        if ep_mesh is not None:
+            for name in EXPERT_TENSORS:
+                full = getattr(experts, name)
+                experts.register_parameter(
+                    name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None))
+                )
+        experts.ep_group = ep_mesh.get_group() if ep_mesh is not None else None
+        experts.capacity_factor = capacity_factor
         experts.forward = types.MethodType(_forward, experts)
+    model.capacity_factor = capacity_factor

@@ -8,6 +8,9 @@ where the layer has the module); a norm applied per head (Qwen3's q_norm and
 k_norm, ``Family.head_norms``) sees only its rank's heads, so its weight is replicated over tp and its
 gradient summed over it (torch's SequenceParallel style, the split being the heads' dimension).
 
+A mixture of experts splits attention only: its MoE block runs whole on every tp rank (expert parallelism,
+``parallel.expert``, is what splits the experts).
+
 Sequence parallel (``distributed.sequence_parallel``, Megatron's SP): between those regions the
 activations stay split along the sequence, so the norms and residual adds run on 1/tp of the
 tokens and store 1/tp of the activations; each all-reduce becomes a reduce-scatter plus an
@@ -26,6 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -68,6 +72,19 @@ def _sequence_parallel_layer_plan() -> dict:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
+
+
+# A mixture of experts' block (router, experts, shared expert) is not split over tp: every tp rank runs it whole
+# on the whole sequence (its input and output identical on the tp ranks, so are its parameters' gradients); under
+# sequence parallel its input is gathered along the sequence and its output split again.
+_MOE_UNDER_SP = PrepareModuleInputOutput(
+    input_layouts=(Shard(1),),
+    desired_input_layouts=(Replicate(),),
+    use_local_input=True,
+    output_layouts=(Replicate(),),
+    desired_output_layouts=(Shard(1),),
+    use_local_output=True,
+)
 
 
 def _has(layer, name: str) -> bool:
@@ -119,4 +136,7 @@ def apply_tp(model, tp_mesh: DeviceMesh, sequence_parallel: bool = False, vocab_
     if m.norm is not None:  # the final norm on the last pipeline stage; CausalLM gathers its output
         parallelize_module(m.norm, tp_mesh, SequenceParallel())
     for layer in model.layers():
-        parallelize_module(layer, tp_mesh, {**_sequence_parallel_layer_plan(), **_head_norm_plan(model.config)})
+        plan = {name: style for name, style in _sequence_parallel_layer_plan().items() if _has(layer, name)}
+        if hasattr(layer.mlp, "experts"):
+            plan["mlp"] = _MOE_UNDER_SP
+        parallelize_module(layer, tp_mesh, {**plan, **_head_norm_plan(model.config)})

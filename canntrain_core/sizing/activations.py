@@ -41,54 +41,54 @@ class LayerActivations:
         return self.tensors + self.weight_copies
 
 
-def _per_token(shape: ModelShape, setup: TrainSetup) -> tuple[float, float]:
-    """(replicated, tp-sharded) bytes per token of one block, before recompute."""
+def _per_token(shape: ModelShape, setup: TrainSetup) -> tuple[float, float, float]:
+    """(replicated, tp-sharded, MLP) bytes per token of one block, before recompute. The MLP's are split over tp
+    with the attention's, except a mixture of experts' (its block runs whole on every tp rank)."""
     h, i, kv, a = shape.hidden_size, shape.intermediate_size, shape.kv_size, shape.num_heads
     half = setup.precision != "fp32" and setup.weights == "amp"
     if shape.kind == "gpt":  # LayerNorm keeps mean and rstd; GELU keeps its input; no gate
         mlp_fp32, mlp_half = 8 * i, 4 * i + 2 * i  # fc out, gelu out ; half: + cast of proj input
     else:
         mlp_fp32, mlp_half = 16 * i, 8 * i
-    if shape.kind == "moe":  # each token visits experts_per_token experts; router logits fp32
-        mlp_fp32 *= shape.experts_per_token
-        mlp_half *= shape.experts_per_token
+    if shape.kind == "moe":  # each token visits experts_per_token experts and the shared one; router logits fp32
+        mlp_fp32 = mlp_fp32 * shape.experts_per_token + 16 * shape.shared_expert_size + 4 * shape.num_experts
+        mlp_half = mlp_half * shape.experts_per_token + 8 * shape.shared_expert_size + 4 * shape.num_experts
     if setup.precision == "fp32":
         replicated = 24 * h + 8
-        sharded = 8 * h + 8 * kv + 4 * a + mlp_fp32
+        sharded, mlp = 8 * h + 8 * kv + 4 * a, mlp_fp32
     elif half and setup.fsdp_mixed_precision:
         # FSDP2's MixedPrecisionPolicy: the layer's inputs arrive in 16 bits, so the linears' inputs need no
         # cast of their own (the norms still compute, and save, in fp32)
         replicated = 16 * h + 8
-        sharded = 4 * h + 4 * kv + 4 * a + mlp_half
+        sharded, mlp = 4 * h + 4 * kv + 4 * a, mlp_half
     elif half:
         replicated = 16 * h + 8 + 10 * h
-        sharded = 4 * h + 4 * kv + 4 * a + mlp_half
+        sharded, mlp = 4 * h + 4 * kv + 4 * a, mlp_half
     else:  # weights kept in 16-bit: everything 16-bit, no separate casts
         replicated = 12 * h + 8
-        sharded = 4 * h + 4 * kv + 4 * a + mlp_half
-    if shape.kind == "moe":
-        sharded += 4 * shape.num_experts
+        sharded, mlp = 4 * h + 4 * kv + 4 * a, mlp_half
     if shape.qk_norm:  # Qwen3's per-head RMSNorm of q and k computes in fp32: its input and normalised output are
         # kept in fp32 (and, under 16 bits, the cast back)
         sharded += (8 if setup.precision == "fp32" else 10) * (shape.q_size + shape.kv_size)
     if not setup.flash_attention:  # scores, softmax and its mask: 5*a*s bytes per token (16-bit)
         sharded += 5 * a * setup.seq_length // setup.cp
-    return replicated, sharded
+    return replicated, sharded, mlp
 
 
-def selective_saving(shape: ModelShape, setup: TrainSetup) -> float:
-    """Bytes per token that selective recompute does not keep (recomputed in backward).
+def selective_saving(shape: ModelShape, setup: TrainSetup) -> tuple[float, float]:
+    """(attention, MLP) bytes per token that selective recompute does not keep (recomputed in backward).
 
     canntrain's selective recompute keeps every matmul input and output and recomputes the cheap
     element-wise ops: the MLP activation and its product with the up projection, and the attention
     core (scores, when not flash) — the part Korthikanti et al. call selective.
     """
-    i = shape.intermediate_size * (shape.experts_per_token if shape.kind == "moe" else 1)
+    i = shape.intermediate_size
+    if shape.kind == "moe":
+        i = i * shape.experts_per_token + shape.shared_expert_size
     width = 4 if setup.precision == "fp32" else 2
-    saved = 2 * width * i if shape.kind != "gpt" else width * i
-    if not setup.flash_attention:
-        saved += 5 * shape.num_heads * setup.seq_length // setup.cp
-    return saved
+    mlp = 2 * width * i if shape.kind != "gpt" else width * i
+    attention = 5 * shape.num_heads * setup.seq_length // setup.cp if not setup.flash_attention else 0
+    return attention, mlp
 
 
 def layer_activations(shape: ModelShape, setup: TrainSetup, recompute: str | None = None) -> LayerActivations:
@@ -101,16 +101,17 @@ def layer_activations(shape: ModelShape, setup: TrainSetup, recompute: str | Non
         width = 2 if (setup.precision != "fp32" and setup.weights == "half") else 4
         per_tok = width * h / (tp if setup.sequence_parallel else 1)
         return LayerActivations(int(tokens * per_tok), 0)
-    replicated, sharded = _per_token(shape, setup)
+    replicated, sharded, mlp = _per_token(shape, setup)
     if recompute == "selective":
-        sharded -= selective_saving(shape, setup)
-    per_tok = replicated / (tp if setup.sequence_parallel else 1) + sharded / tp
+        attention_saving, mlp_saving = selective_saving(shape, setup)
+        sharded, mlp = sharded - attention_saving, mlp - mlp_saving
+    per_tok = replicated / (tp if setup.sequence_parallel else 1) + sharded / tp + mlp / shape.mlp_tp(tp)
     copies = 0
     if setup.precision != "fp32" and setup.weights == "amp":
-        matrices = sum(o * i for _, o, i in shape.layer_matrices())
+        matrices = shape.layer_matrices()
         if shape.kind == "moe":
-            matrices = matrices // setup.ep  # local experts only
-        copies = 2 * matrices // tp
+            matrices = shape.local_matrices(setup.ep)  # local experts only
+        copies = 2 * shape.elements_per_rank(matrices, tp)
     return LayerActivations(int(tokens * per_tok), copies)
 
 

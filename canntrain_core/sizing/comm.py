@@ -64,11 +64,16 @@ def comm_per_step(
     tp_local = params_per_stage  # parameters outside TP's sharding are few for Llama: count all once
     rs_factor = 2 if backend == "gloo" else 1  # gloo has no reduce-scatter: an all-reduce instead
     acts = batch_size * seq_length * h * act_bytes
+    moe = shape.kind == "moe"  # its MoE block is not split over tp (parallel/tp.py): one TP region per layer
+    # parameters on one tp rank: all split over tp, except a mixture of experts' blocks
+    replicated = shape.tp_replicated_params() / dims.pp
     if dims.tp > 1 and sequence_parallel:
         t = dims.tp
-        # Each of the two TP regions per layer: all-gather in, reduce-scatter out (forward), and the
-        # mirror in backward; the embedding's and the final norm's gathers are left out (2 per step).
+        # Each TP region per layer (attention, the MLP): all-gather in, reduce-scatter out (forward), and the
+        # mirror in backward; a MoE block gathers its input in forward and its output's gradient in backward.
+        # The embedding's and the final norm's gathers are left out (2 per step).
         calls = 4 * (layers // dims.pp) * grad_accum
+        scatters = calls // 2 if moe else calls
         rows.append(
             {
                 "strategy": "TP+SP",
@@ -81,16 +86,17 @@ def comm_per_step(
             {
                 "strategy": "TP+SP",
                 "collective": "reduce-scatter (activations)",
-                "calls": calls,
-                "bytes": rs_factor * calls * (t - 1) / t * acts,
+                "calls": scatters,
+                "bytes": rs_factor * scatters * (t - 1) / t * acts,
             }
         )
-        tp_local = params_per_stage / t
+        tp_local = (params_per_stage - replicated) / t + replicated
     elif dims.tp > 1:
         t = dims.tp
         # Forward: after o_proj and after down_proj. Backward: each column-parallel projection
         # (q, k, v, gate, up) all-reduces its input gradient; Megatron fuses qkv and gate/up into 2.
-        per_layer = 2 + 5
+        # A mixture of experts: attention's only (1 + 3).
+        per_layer = 1 + 3 if moe else 2 + 5
         calls = per_layer * (layers // dims.pp) * grad_accum
         rows.append(
             {
@@ -100,7 +106,7 @@ def comm_per_step(
                 "bytes": calls * 2 * (t - 1) / t * acts,
             }
         )
-        tp_local = params_per_stage / t
+        tp_local = (params_per_stage - replicated) / t + replicated
     if dims.tp > 1 and vocab_parallel:
         t, label = dims.tp, "TP+SP" if sequence_parallel else "TP"
         embed = (rs_factor if sequence_parallel else 2) * (t - 1) / t * acts

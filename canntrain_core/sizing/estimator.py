@@ -16,7 +16,7 @@ from typing import Any
 
 from canntrain_core.sizing.activations import layer_activations, recompute_transient
 from canntrain_core.sizing.setup import TrainSetup
-from canntrain_core.sizing.shapes import ModelShape
+from canntrain_core.sizing.shapes import ROUTED_EXPERT, ModelShape
 
 GiB = 1024**3
 GB = 1000**3
@@ -106,7 +106,13 @@ def _trainable(shape: ModelShape, s: TrainSetup, matrices: list[tuple[str, int, 
     """Per-rank element counts of the trainable tensors of one block, in registration order."""
     if s.lora is not None:
         return [s.lora.rank * (o + i) // s.tp for name, o, i in matrices if name in s.lora.targets]
-    return [o * i // s.tp for _, o, i in matrices] + [_vectors_per_rank(shape, s.tp)]
+    return [shape.elements_per_rank([m], s.tp) for m in matrices] + [_vectors_per_rank(shape, s.tp)]
+
+
+def _row_padding(matrices: list[tuple[str, int, int]], shard: int) -> int:
+    """Elements (over all ``shard`` ranks) that FSDP2 adds to a block by padding each matrix's rows to a multiple
+    of ``shard``."""
+    return sum((-(-o // shard) * shard - o) * i for _, o, i in matrices if o % shard)
 
 
 def _vectors_per_rank(shape: ModelShape, tp: int) -> int:
@@ -129,15 +135,12 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     notes: list[str] = []
     tp, h, V = s.tp, shape.hidden_size, shape.out_rows  # V: rows of the output projection and the logits
     shard = s.dp * s.cp  # ZeRO/FSDP shards over data (and context) parallel ranks
-    matrices = at_rest = shape.layer_matrices()
-    local_experts = 0
-    if shape.kind == "moe":  # a rank gathers and computes with its ep share of the experts (parallel/expert.py)
-        dense = [m for m in matrices if not m[0].endswith("_proj") or m[0] in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        experts = [m for m in matrices if m not in dense]
-        matrices = dense + experts[: len(experts) // s.ep]
-        local_experts = sum(o * i for _, o, i in experts[: len(experts) // s.ep]) // tp
+    at_rest = shape.layer_matrices()
+    matrices = shape.local_matrices(s.ep)  # a rank gathers and computes with its ep share of the experts
+    routed = [m for m in matrices if m[0] in ROUTED_EXPERT] if shape.kind == "moe" else []
+    local_experts = shape.elements_per_rank(routed, tp)
     # ---- element counts per rank, before ZeRO
-    layer_elems = sum(o * i for _, o, i in matrices) // tp + _vectors_per_rank(shape, tp)
+    layer_elems = shape.elements_per_rank(matrices, tp) + _vectors_per_rank(shape, tp)
     vtp = tp if s.vocab_parallel else 1
     tokens = shape.vocab_size * h  # the embedding's rows split over the vocabulary; GPT-2's positions whole
     emb = shape.embedding_params() - tokens + tokens // vtp if st.embedding else 0
@@ -174,6 +177,11 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     div_p = shard if fsdp else 1
     div_g = shard if fsdp and not full_grads else 1
     div_o = shard if s.zero >= 1 else 1
+    # FSDP2 pads a tensor's rows to a multiple of the shards: a one-row gate (Qwen2-MoE's shared expert's) or 60
+    # experts' router rows over 32 ranks cost every rank a whole shard of rows
+    pad = st.layers * _row_padding(at_rest, shard) if fsdp and s.lora is None else 0
+    elems_at_rest += pad
+    trainable += pad
     params = p_b * elems_at_rest // div_p
     gathered = c_b * elems if keeps_gathered else 0  # only between forward and the last backward
     grads = g_b * trainable // div_g

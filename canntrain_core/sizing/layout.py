@@ -147,11 +147,10 @@ def layout_problems(
             "(set model.overrides.tie_word_embeddings=false, or train without pipeline parallel)"
         )
     if model is not None:
-        for attr, n in (
-            ("attention heads", model.num_heads),
-            ("KV heads", model.num_kv_heads),
-            ("intermediate_size", model.intermediate_size),
-        ):
+        split = [("attention heads", model.num_heads), ("KV heads", model.num_kv_heads)]
+        if model.kind != "moe":  # a mixture of experts' MLP is not split over tp (parallel/tp.py)
+            split.append(("intermediate_size", model.intermediate_size))
+        for attr, n in split:
             if n % L.tp:
                 out.append(f"distributed.tensor_parallel_size={L.tp} must divide the model's {n} {attr}")
         if L.vocab_parallel and model.vocab_size % L.tp:
@@ -159,11 +158,10 @@ def layout_problems(
                 f"distributed.vocab_parallel: tensor_parallel_size={L.tp} must divide the vocabulary of "
                 f"{model.vocab_size} entries (set distributed.vocab_parallel=false, or a vocabulary size it divides)"
             )
-        if model.kind == "moe" and (L.tp > 1 or L.pp > 1):
+        if model.kind == "moe" and L.pp > 1:
             out.append(
-                "tensor_parallel_size / pipeline_parallel_size > 1 are not built for a mixture of experts yet (the "
-                "experts would be replicated over tp; a pipeline stage's router loss would not reach the schedule's "
-                "loss); use FSDP2 (zero_optimization >= 1) over data-parallel ranks"
+                "pipeline_parallel_size > 1 is not built for a mixture of experts yet (a pipeline stage's router "
+                "loss would not reach the schedule's loss); use expert parallelism and FSDP2 over data-parallel ranks"
             )
         if model.kind == "gpt" and L.lora:
             out.append(

@@ -15,7 +15,7 @@ from canntrain_core.sizing.setup import TrainSetup, setup_from_recipe
 from canntrain_core.sizing.shapes import ModelShape, shape_of
 
 
-def _candidates(s: TrainSetup) -> list[tuple[str, TrainSetup]]:
+def _candidates(s: TrainSetup, shape: ModelShape) -> list[tuple[str, TrainSetup]]:
     """Single-key changes, cheapest (least slowdown) first; each names the recipe key to set."""
     out: list[tuple[str, TrainSetup]] = []
     if s.recompute == "none":
@@ -33,6 +33,8 @@ def _candidates(s: TrainSetup) -> list[tuple[str, TrainSetup]]:
     if s.dp * s.cp > 1:
         for z in range(s.zero + 1, 4):
             out.append((f"distributed.zero_optimization={z}", s.but(zero=z)))
+    if shape.num_experts % (s.ep * 2) == 0 and (s.dp * s.cp) % (s.ep * 2) == 0:  # experts split further
+        out.append((f"distributed.expert_parallel_size={s.ep * 2}", s.but(ep=s.ep * 2)))
     if s.dp % 2 == 0:
         out.append(
             (
@@ -65,7 +67,7 @@ def oom_hint(recipe: Any, capacity_bytes: float, model: Any) -> str:
     ]
     top = sorted(est.categories.items(), key=lambda kv: -kv[1])[:3]
     lines.append("largest parts: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in top))
-    for change, cand in _candidates(setup):
+    for change, cand in _candidates(setup, shape):
         if layout_problems(Layout.from_setup(cand), shape):
             continue  # never suggest what the trainer would refuse (e.g. offload without FSDP2)
         try:

@@ -15,6 +15,8 @@ from canntrain_core.families import FAMILIES, PRESET_FAMILY, Family, family_of
 from canntrain_core.sizing.presets import PRESETS, preset_fields
 
 ModelKind = Literal["llama", "gpt", "moe"]
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ROUTED_EXPERT = ("gate_proj", "up_proj", "down_proj")  # in a mixture of experts: each routed expert's matrices
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,8 @@ class ModelShape:
     llama: RMSNorm, RoPE, SwiGLU MLP (gate, up, down), grouped-query attention, no biases.
     gpt: LayerNorm (weight+bias), learned positions, GELU MLP (fc, proj), biases, tied embeddings.
     moe: a llama block whose MLP is ``num_experts`` SwiGLU experts of ``intermediate_size`` with a
-    router, ``experts_per_token`` of them active per token.
+    router, ``experts_per_token`` of them active per token, and a shared expert of ``shared_expert_size``
+    (0: none) that every token goes through, scaled by a one-output sigmoid gate (Qwen2-MoE).
     """
 
     kind: ModelKind
@@ -44,6 +47,7 @@ class ModelShape:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     o_bias: bool = False  # a bias on the output projection
     qk_norm: bool = False  # an RMSNorm over each head's query and key (Qwen3)
+    shared_expert_size: int = 0  # MoE: the shared expert's intermediate size (Qwen2-MoE); 0: none
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
@@ -96,8 +100,39 @@ class ModelShape:
             return attn + [("fc", i, h), ("proj", h, i)]
         mlp = [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
         if self.kind == "moe":
-            return attn + [("router", self.num_experts, h)] + mlp * self.num_experts
+            se = self.shared_expert_size  # named apart from the routed experts' *_proj (what EP splits)
+            shared = [
+                ("shared_gate", se, h),
+                ("shared_up", se, h),
+                ("shared_down", h, se),
+                ("shared_expert_gate", 1, h),
+            ]
+            return attn + [("router", self.num_experts, h)] + (shared if se else []) + mlp * self.num_experts
         return attn + mlp
+
+    def local_matrices(self, ep: int = 1) -> list[tuple[str, int, int]]:
+        """The block's matrices a rank gathers and computes with: of a mixture of experts' routed experts, its
+        ``ep`` share (parallel/expert.py)."""
+        matrices = self.layer_matrices()
+        if self.kind != "moe":
+            return matrices
+        routed = [m for m in matrices if m[0] in ROUTED_EXPERT]
+        return [m for m in matrices if m[0] not in ROUTED_EXPERT] + routed[: len(routed) // ep]
+
+    def mlp_tp(self, tp: int) -> int:
+        """How many ways tensor parallel splits the MLP: tp, or 1 for a mixture of experts (its block runs whole
+        on every tp rank; parallel/tp.py)."""
+        return 1 if self.kind == "moe" else tp
+
+    def elements_per_rank(self, matrices: list[tuple[str, int, int]], tp: int) -> int:
+        """Elements of ``matrices`` on one tp rank: attention's split over tp, the MLP's by ``mlp_tp``."""
+        return sum(o * i // (tp if name in ATTENTION else self.mlp_tp(tp)) for name, o, i in matrices)
+
+    def tp_replicated_params(self) -> int:
+        """Parameters every tp rank holds whole (a mixture of experts' blocks; 0 for a dense model)."""
+        if self.kind != "moe":
+            return 0
+        return self.num_layers * sum(o * i for name, o, i in self.layer_matrices() if name not in ATTENTION)
 
     def layer_vectors_split(self) -> tuple[int, int]:
         """Elements of one block's 1-D parameters as (replicated under TP, split over TP): norm weights (and
@@ -222,6 +257,7 @@ def shape_of(config: Any, family: Family | None = None) -> ModelShape:
         qk_norm=family.qk_norm,
         num_experts=getattr(config, family.config_key("num_experts"), None) or 1,
         experts_per_token=getattr(config, family.config_key("experts_per_token"), None) or 1,
+        shared_expert_size=getattr(config, "shared_expert_intermediate_size", 0),
     )
 
 
@@ -246,6 +282,8 @@ def rebuild_recipe(shape: ModelShape) -> dict[str, Any]:
     )
     if shape.kind == "moe":
         sizes.update(num_experts=shape.num_experts, experts_per_token=shape.experts_per_token)
+        if shape.shared_expert_size:
+            sizes["shared_expert_intermediate_size"] = shape.shared_expert_size
     overrides = {family.config_key(k): v for k, v in sizes.items() if family.config_key(k)}
     if shape.explicit_head_dim:
         overrides["head_dim"] = shape.explicit_head_dim

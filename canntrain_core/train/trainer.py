@@ -91,6 +91,13 @@ def default_run_dir(recipe: Recipe) -> Path:
     return runs_root(recipe.experiment.output_dir) / f"{recipe.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _added(total: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
+    """``total + x``, where None is nothing yet (or nothing to count)."""
+    if x is None:
+        return total
+    return x.clone() if total is None else total + x
+
+
 class Trainer:
     """Builds data, model, optimizer and schedule from a recipe and trains them in `fit`.
 
@@ -152,6 +159,7 @@ class Trainer:
         self.model, self.schedule = built.model, built.schedule
         self.aux_loss: torch.Tensor | None = None  # a mixture of experts' load-balancing loss over the last step
         self.expert_tokens: torch.Tensor | None = None  # and its routed tokens per layer and expert since the last log
+        self.dropped_tokens: torch.Tensor | None = None  # and per layer those over capacity (expert_capacity_factor)
         # an adapted model (LoRA) checkpoints its adapters only; they name the base they adapt
         self.adapters_only = has_adapters(self.model)
         if resume_path is not None and self.adapters_only:
@@ -417,9 +425,8 @@ class Trainer:
             loss_sum += part.detach()
             if self.aux_loss is not None:  # a mixture of experts: its load-balancing loss, logged apart
                 self.aux_loss += self.model.aux_loss / len(parts)
-                if self.expert_tokens is None:
-                    self.expert_tokens = torch.zeros_like(self.model.expert_tokens)
-                self.expert_tokens += self.model.expert_tokens
+                self.expert_tokens = _added(self.expert_tokens, self.model.expert_tokens)
+                self.dropped_tokens = _added(self.dropped_tokens, self.model.dropped_tokens)
         return loss_sum
 
     def _model_args(self, batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -477,15 +484,25 @@ class Trainer:
         """Routed tokens per layer and expert since the last log, over all ranks (``expert_tokens``: a list per
         layer), and their min / mean / max; resets the count. Even routing gives min == mean == max."""
         counts, self.expert_tokens = self.expert_tokens, None
-        if dist.is_initialized():  # a mixture of experts runs over data-parallel ranks only: each its own tokens
+        dropped, self.dropped_tokens = self.dropped_tokens, None
+        if dist.is_initialized():  # each data-parallel rank routes its own tokens; tp/cp ranks hold copies
+            copies = self.dims.tp * self.dims.cp
             dist.all_reduce(counts)
+            counts //= copies
+            if dropped is not None:
+                dist.all_reduce(dropped)
+                dropped //= copies
         c = counts.float()
-        return {
+        record = {
             "expert_tokens": counts.tolist(),
             "expert_tokens_min": c.min().item(),
             "expert_tokens_mean": c.mean().item(),
             "expert_tokens_max": c.max().item(),
         }
+        if dropped is not None:  # expert_capacity_factor: assignments the experts left out, and their share
+            record["dropped_tokens"] = int(dropped.sum())
+            record["dropped_fraction"] = record["dropped_tokens"] / int(counts.sum())
+        return record
 
     def _mean_over_ranks(self, loss: torch.Tensor) -> float:
         """The loss averaged over data-parallel ranks (tp ranks hold copies; only the last pp stage has one)."""

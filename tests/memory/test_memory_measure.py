@@ -36,6 +36,13 @@ CASES = {
     # a mixture of experts (Mixtral's block, 8 experts, 2 active), FSDP2 over 2 fake ranks in bf16
     "tiny-moe-fsdp2-bf16": ("tiny-moe", None, dict(micro_batch=2, seq_length=128, dp=2, zero=3)),
     "tiny-qwen3-moe-fsdp2-bf16": ("tiny-qwen3-moe", None, dict(micro_batch=2, seq_length=128, dp=2, zero=3)),
+    # Qwen2-MoE's shared expert and its gate; and a MoE under TP2 (attention split, the MoE block whole per rank)
+    "tiny-qwen2-moe-fsdp2-bf16": ("tiny-qwen2-moe", None, dict(micro_batch=2, seq_length=128, dp=2, zero=3)),
+    "tiny-moe-fsdp2-tp2-bf16": (
+        "tiny-moe",
+        None,
+        dict(micro_batch=2, seq_length=128, dp=2, zero=3, tp=2, sequence_parallel=False, vocab_parallel=False),
+    ),
     # its vocabulary padded as nanoGPT pads it (50,257 -> 50,304) so that tp divides it
     "gpt2-2L-bf16-tp2": ("gpt2", 2, dict(micro_batch=2, seq_length=1024, tp=2, sequence_parallel=False)),
     "qwen3-0.6b-2L-bf16": ("qwen3-0.6b", 2, dict(micro_batch=1, seq_length=2048)),

@@ -144,7 +144,7 @@ def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(fam
     single = build_training_model(recipe, model_config(recipe.model), torch.device("cpu")).model
     want = {n: p.detach() for n, p in single.named_parameters()}
     # a tied preset has no pipeline layout (the embedding and the head would sit on different stages)
-    layouts = ("fsdp2_tp2", "fsdp2_tp2_sp", "pp2_fsdp2", "ep2_fsdp2")
+    layouts = ("fsdp2_tp2", "fsdp2_tp2_sp", "pp2_fsdp2", "ep2_fsdp2", "ep2_tp2_sp")
     run = [layout for layout in layouts if (four_ranks / f"{family}-{layout}-init-rank0.pt").is_file()]
     assert run, [_refused(four_ranks, family, layout) for layout in layouts]
     for layout in run:
@@ -164,11 +164,11 @@ def test_4_rank_layouts_load_the_same_logits_and_initialise_the_same_weights(fam
         assert read == {"[0:2"}, read
 
 
-# a mixture of experts runs under EP x FSDP2 only while TP and PP are not built for it (tests/_hf_ranks.py)
+# a mixture of experts runs under EP x FSDP2, and with attention under TP2 + SP (tests/_hf_ranks.py)
 SGD_LAYOUTS = [
     (family, layout)
     for family, f in FAMILIES.items()
-    for layout in (("ep2_fsdp2",) if f.router_class else ("fsdp2_tp2", "fsdp2_tp2_sp"))
+    for layout in (("ep2_fsdp2", "ep2_tp2_sp") if f.router_class else ("fsdp2_tp2", "fsdp2_tp2_sp"))
 ]
 
 

@@ -4,6 +4,11 @@ Each layout trains the tiny model for 8 steps on global batches of 8 sequences a
 same losses as one process, step by step, within LOSS_TOL. Measured here in fp32: the largest
 difference over all layouts is about 1e-6 (reductions summed in another order).
 A checkpoint written by 4 ranks resumes on 2 ranks and on 1 and continues the same curve.
+
+The mixture of experts (tiny-moe) trains in the same launches: expert parallelism EP2 on 2 ranks, EP2 x FSDP2 and
+EP2 x TP2 (+SP) on 4 log the losses of the same data-parallel layout without EP (EP changes only where each
+(token, k) pair's expert runs and the order of the k-sum: measured 1e-6); a checkpoint written under EP2 resumes
+bit for bit under EP2 and reshards to EP1.
 """
 
 import json
@@ -78,6 +83,9 @@ FSDP2_TP2 = {
 }
 FSDP2_TP2_SP = {**FSDP2_TP2, "distributed.sequence_parallel": True}
 TIED = {"model.overrides.tie_word_embeddings": True}
+MOE = {"model.preset": "tiny-moe", "logging.ckpt_interval": 4}
+EP2 = {"distributed.expert_parallel_size": 2}
+MOE_LAYOUTS_2 = {"moe_fsdp2": {**MOE, **LAYOUTS["fsdp2"]}, "moe_ep2": {**MOE, **LAYOUTS["fsdp2"], **EP2}}
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -105,8 +113,9 @@ def runs(tmp_path_factory, data_cache):
             f"single_tied={json.dumps(TIED)}",
         ],
     )
-    log = launch_layouts(TINY, out, 2, base, {**LAYOUTS, "fsdp2_bf16": {**LAYOUTS["fsdp2"], **BF16}})
+    log = launch_layouts(TINY, out, 2, base, {**LAYOUTS, "fsdp2_bf16": {**LAYOUTS["fsdp2"], **BF16}, **MOE_LAYOUTS_2})
     (out / "launch2.log").write_text(log)
+    moe_step4 = out / "moe_ep2_fsdp2" / "checkpoints" / "step_4"
     launch_layouts(
         TINY,
         out,
@@ -117,6 +126,12 @@ def runs(tmp_path_factory, data_cache):
             "fsdp2_tp2_sp": FSDP2_TP2_SP,
             "fsdp4@4": FSDP4,
             "fsdp2_tp2_tied": {**FSDP2_TP2, **TIED},
+            "moe_fsdp4": {**MOE, **FSDP4},
+            "moe_ep2_fsdp2": {**MOE, **FSDP4, **EP2},
+            f"moe_ep2_fsdp2_resumed<{moe_step4}": {**MOE, **FSDP4, **EP2},
+            f"moe_fsdp4_from_ep2<{moe_step4}": {**MOE, **FSDP4},
+            "moe_ep2_tp2": {**MOE, **FSDP2_TP2, **EP2},
+            "moe_ep2_tp2_sp": {**MOE, **FSDP2_TP2_SP, **EP2},
         },
     )
     step4 = out / "fsdp4" / "checkpoints" / "step_4"
@@ -236,3 +251,32 @@ def test_fsdp2_gets_the_mixed_precision_and_offload_policies():
 def test_offload_on_a_cpu_host_says_it_is_a_no_op(runs):
     assert "optim.offload_optimizer: FSDP2's CPUOffloadPolicy is applied" in (runs / "launch2.log").read_text()
     assert "a no-op here" in (runs / "launch2.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "ep, ref",
+    [
+        ("moe_ep2", "moe_fsdp2"),
+        ("moe_ep2_fsdp2", "moe_fsdp4"),
+        ("moe_ep2_tp2", "moe_fsdp2"),
+        ("moe_ep2_tp2_sp", "moe_fsdp2"),
+    ],
+)
+def test_expert_parallel_logs_the_losses_of_the_same_layout_without_it(runs, ep, ref):
+    """With TP the MoE block runs whole on every tp rank (its router and experts replicated over tp): the router
+    balance counted once, not once per tp rank."""
+    got, want = losses(runs / ep), losses(runs / ref)
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    assert max(abs(got[s] - want[s]) for s in want) < LOSS_TOL
+    rows = {name: [r for r in read_metrics(runs / name) if "loss" in r] for name in (ep, ref)}
+    assert [r["aux_loss"] for r in rows[ep]] == pytest.approx([r["aux_loss"] for r in rows[ref]], abs=LOSS_TOL)
+    assert [r["expert_tokens_mean"] for r in rows[ep]] == [r["expert_tokens_mean"] for r in rows[ref]]
+
+
+def test_an_ep2_checkpoint_resumes_bit_for_bit_and_reshards_to_ep1(runs):
+    full = losses(runs / "moe_ep2_fsdp2")
+    resumed = losses(runs / "moe_ep2_fsdp2_resumed")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert all(resumed[s] == full[s] for s in resumed)  # bit for bit
+    resharded = losses(runs / "moe_fsdp4_from_ep2")
+    assert max(abs(resharded[s] - full[s]) for s in resharded) < LOSS_TOL

@@ -12,7 +12,10 @@ from canntrain_core.sizing.presets import PRESETS
 from canntrain_core.cli import main
 from canntrain_core.memory import GiB, TrainSetup, get_device, oom_hint, shape_from_preset, shape_from_recipe
 from canntrain_core.recipe import load_recipe
+from canntrain_core.sizing.estimator import estimate
 from canntrain_core.sizing.plan import search, suggest_when_nothing_fits
+from canntrain_core.sizing.setup import setup_from_recipe
+from conftest import ROOT
 
 CAP = 64 * GiB
 
@@ -89,6 +92,20 @@ def test_oom_hint_names_a_change_that_fits():
     assert "no single change" in oom_hint(big, 8 * GiB, shape_from_recipe(big))
 
 
+def test_oom_hint_suggests_expert_parallelism_for_a_mixture_of_experts():
+    """Mixtral 8x7B on 32 ranks, ZeRO-3, full recompute, micro-batch 1: nothing cheaper is left, and splitting each
+    layer's experts over 2 ranks fits where every rank gathering all 8 of a layer's experts does not."""
+    recipe = load_recipe(
+        ROOT / "cookbook" / "moe" / "configs" / "mixtral_8x7b_pretrain.yaml",
+        {"distributed.expert_parallel_size": 1, "data.batch_size": 1},
+    )
+    shape, setup = shape_from_recipe(recipe), setup_from_recipe(recipe)
+    ep1, ep2 = estimate(shape, setup).total, estimate(shape, setup.but(ep=2)).total
+    assert ep2 < ep1
+    hint = oom_hint(recipe, (ep1 + ep2) / 2, shape)
+    assert f"try: --set distributed.expert_parallel_size=2  (estimated {ep2 / GiB:.2f} GiB)" in hint
+
+
 # Parameter counts of the public Llama-3.1 and 3.2 checkpoints (their model cards' safetensors totals).
 LLAMA3 = {
     "llama3-8b": 8_030_261_248,
@@ -125,6 +142,8 @@ PUBLIC = {
     "mixtral-8x22b": 140_630_071_296,
     "qwen3-30b-a3b": 30_532_122_624,  # 3,353,032,704 active per token
     "qwen3-235b-a22b": 235_093_634_560,
+    "qwen1.5-moe-a2.7b": 14_315_784_192,  # 2,689,173,504 active per token, the shared expert included
+    "qwen2-57b-a14b": 57_408_658_944,
 }
 
 
