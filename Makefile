@@ -30,8 +30,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers (pytest-xdist), one torch thread each: on a 2-core machine the tiny models' steps gain little from
+# a second thread, while a second worker overlaps process start-up and imports. A file's tests stay on one worker
+# (its module's shared runs are built once); runs shared across files are cached under a lock (jobs/alignment_start).
+WORKERS ?= 2
 test: $(STAMP) lint
-	$(PY) -m pytest tests cookbook --nbmake --nbmake-timeout=900 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests cookbook --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The edit loop: unit and single-process tests, no notebooks, no multi-process launches (a few minutes).
 test-fast: $(STAMP) lint

@@ -47,7 +47,7 @@ class ModelConfig(_Section):
     kernels: Literal["auto", "eager", "compile", "npu", "cuda"] = "eager"
     # Per-op backend choices that win over `kernels`, e.g. {cross_entropy: eager}.
     kernel_overrides: dict[
-        Literal["rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy"],
+        Literal["rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy", "expert_mlp"],
         Literal["auto", "eager", "compile", "npu", "cuda"],
     ] = Field(default_factory=dict)
     # none | selective (every other decoder layer recomputed) | full (every layer)

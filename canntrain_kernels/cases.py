@@ -134,6 +134,12 @@ def make_case(op: str, shape: Shape, dtype: torch.dtype, device: str | torch.dev
         # Several chunks, the last one partial, so the chunking itself is exercised.
         chunk = max(1, math.ceil(n / 3) + 1) if n <= 16384 else None
         return Case(op, (hidden, weight, targets.to(device)), {"chunk_size": chunk}, (0, 1))
+    if op == "expert_mlp":  # 4 experts, one of them given no row
+        n, h, i = s.batch * s.seq, s.hidden, s.intermediate
+        counts = torch.tensor([n // 2, 0, n // 4, n - n // 2 - n // 4])
+        gate_up = randn(4, 2 * i, h, scale=1.0 / math.sqrt(h))
+        down = randn(4, h, i, scale=1.0 / math.sqrt(i))
+        return Case(op, (randn(n, h), counts.to(device), gate_up, down), {}, (0, 2, 3))
     raise KeyError(f"unknown op {op!r}")
 
 

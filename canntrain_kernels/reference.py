@@ -42,6 +42,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def expert_mlp(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A mixture of experts' SwiGLU experts on rows grouped by expert: ``counts[e]`` rows of ``x`` [rows, hidden]
+    for expert e, whose weights are ``gate_up[e]`` [2 x intermediate, hidden] (gate rows, then up rows) and
+    ``down[e]`` [hidden, intermediate], as transformers stores them. A loop over the experts."""
+    outs = []
+    for e, rows in enumerate(x.split(counts.tolist())):
+        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down[e]))
+    return torch.cat(outs)
+
+
 def attention_mask(s_q: int, s_k: int, causal: bool = True, window: int | None = None, device=None) -> torch.Tensor:
     """Boolean [s_q, s_k] mask, True where query i may attend key j (queries aligned to the end)."""
     i = torch.arange(s_q, device=device)[:, None] + (s_k - s_q)

@@ -16,17 +16,20 @@ from typing import Callable
 
 from canntrain_kernels.device import device_type
 
-OPS = ("rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy")
+OPS = ("rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy", "expert_mlp")
 BACKENDS = ("npu", "cuda", "compile", "eager")
 CHOICES = ("auto",) + BACKENDS
 
 # Fastest first, per device type. CPU: benchmarks/kernel_speed.py --threads 1 measured compile ahead of
 # eager for every op at the tiny preset's training shapes (RMSNorm about 6x, RoPE, SwiGLU and
 # attention about 1.7-1.9x forward+backward, the chunked loss about 1.1x).
+# A mixture of experts' expert_mlp has no compile backend (its rows per expert are data): the device's grouped
+# matmul, else the loop.
 AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
-    "npu": {op: ("npu", "compile", "eager") for op in OPS},
-    "cuda": {op: ("cuda", "compile", "eager") for op in OPS},
+    "npu": {op: ("npu", "eager") if op == "expert_mlp" else ("npu", "compile", "eager") for op in OPS},
+    "cuda": {op: ("cuda", "eager") if op == "expert_mlp" else ("cuda", "compile", "eager") for op in OPS},
     "cpu": {
+        "expert_mlp": ("eager",),
         "rms_norm": ("compile", "eager"),
         "apply_rotary": ("compile", "eager"),
         "swiglu": ("compile", "eager"),

@@ -63,8 +63,8 @@ class Family:
     qkv_bias: Callable[[Any], bool] = lambda c: bool(getattr(c, "attention_bias", False))
     o_bias: Callable[[Any], bool] = lambda c: bool(getattr(c, "attention_bias", False))
     qk_norm: bool = False  # an RMSNorm over each head's query and key (Qwen3)
-    # Which of transformers' module classes the fused kernels replace (class name -> "norm", "mlp" or
-    # "attention"); a module left out keeps transformers' forward.
+    # Which of transformers' module classes the fused kernels replace (class name -> "norm", "mlp", "attention"
+    # or "experts": a mixture of experts' expert tensors); a module left out keeps transformers' forward.
     kernel_modules: dict[str, str] = field(default_factory=dict)
     # TP: norms applied per attention head (their input is split over heads): their weights are replicated
     # over tp and their gradients summed over it.

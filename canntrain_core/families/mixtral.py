@@ -28,7 +28,7 @@ MIXTRAL = Family(
     common=dict(rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=None),
     qkv_bias=lambda c: False,
     o_bias=lambda c: False,
-    kernel_modules={"MixtralRMSNorm": "norm", "MixtralAttention": "attention"},
+    kernel_modules={"MixtralRMSNorm": "norm", "MixtralAttention": "attention", "MixtralExperts": "experts"},
     router_class="MixtralTopKRouter",
     hf_names=(
         HFName(_MOE + r"gate\.weight", _FILE + "gate.weight"),

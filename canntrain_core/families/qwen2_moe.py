@@ -28,7 +28,12 @@ QWEN2_MOE = Family(
     ),
     qkv_bias=lambda c: bool(getattr(c, "qkv_bias", True)),
     o_bias=lambda c: False,
-    kernel_modules={"Qwen2MoeRMSNorm": "norm", "Qwen2MoeMLP": "mlp", "Qwen2MoeAttention": "attention"},
+    kernel_modules={
+        "Qwen2MoeRMSNorm": "norm",
+        "Qwen2MoeMLP": "mlp",
+        "Qwen2MoeAttention": "attention",
+        "Qwen2MoeExperts": "experts",
+    },
     router_class="Qwen2MoeTopKRouter",
     not_built=QWEN3_MOE.not_built,
     hf_names=QWEN3_MOE.hf_names,  # the same files' names for the routed experts; the shared expert's are ours

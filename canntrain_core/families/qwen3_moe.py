@@ -42,7 +42,7 @@ QWEN3_MOE = Family(
         QWEN3.common, norm_topk_prob=True, router_aux_loss_coef=0.001, mlp_only_layers=[], decoder_sparse_step=1
     ),
     qk_norm=QWEN3.qk_norm,
-    kernel_modules={"Qwen3MoeRMSNorm": "norm"},
+    kernel_modules={"Qwen3MoeRMSNorm": "norm", "Qwen3MoeExperts": "experts"},
     head_norms=QWEN3.head_norms,
     router_class="Qwen3MoeTopKRouter",
     not_built=_dense_layers,

@@ -4,7 +4,8 @@
 verifiable sort/uppercase task, exports the result as a Hugging Face directory and writes the data the
 alignment stages read: prompts (sort only: the part of the task the fine-tuned model half knows, so a
 policy has something to improve) and preference pairs ranked by the programmatic scorer. It is cached in
-``workdir/start-<settings>``, so the second notebook (or a re-run) reuses it in a second; ``canntrain start``
+``workdir/start-<settings>``, so the second notebook (or a re-run) reuses it in a second (built under a file
+lock: a process that wants it while another builds it waits, then reuses it); ``canntrain start``
 copies it to where the tiny recipes look.
 
 The SFT is deliberately short (100 steps): the model has learned the answer format and half the task,
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import canntrain_core
 import canntrain_kernels
+from canntrain_core.data.cache import file_lock
 
 
 def code_version(*recipes: Path) -> str:
@@ -56,14 +58,6 @@ def tiny_start(
 ) -> Start:
     """The fine-tuned model and the data (see the module docstring), trained with ``configs``' (the cookbook's
     recipe folder) tiny_pretrain.yaml and tiny_sft.yaml; ``cache_dir``: the tokenized corpus's."""
-    from canntrain_core.checkpoint.export import export_hf
-    from canntrain_core.finetune.data import write_jsonl
-    from canntrain_core.finetune.tasks import task_records
-    from canntrain_core.recipe import load_recipe
-    from canntrain_core.finetune.alignment_data import preference_records
-    from canntrain_core.stages import make_trainer
-    from canntrain_core.train.trainer import Trainer
-
     from canntrain_core.errors import BadInput
 
     recipes = Path(configs) / "tiny_pretrain.yaml", Path(configs) / "tiny_sft.yaml"
@@ -72,6 +66,19 @@ def tiny_start(
             raise BadInput(f"{path}: no such recipe; the tiny start trains the cookbook's tiny_pretrain and tiny_sft")
     settings = {"pretrain_steps": pretrain_steps, "sft_steps": sft_steps, "seed": seed}
     root = Path(workdir).resolve() / f"start-{pretrain_steps}-{sft_steps}-{seed}-{code_version(*recipes)}"
+    with file_lock(root.with_name(root.name + ".lock")):  # another process building it: wait, then reuse
+        return _build_start(root, recipes, settings, pretrain_steps, sft_steps, seed, cache_dir)
+
+
+def _build_start(root: Path, recipes, settings: dict, pretrain_steps: int, sft_steps: int, seed: int, cache_dir):
+    from canntrain_core.checkpoint.export import export_hf
+    from canntrain_core.finetune.data import write_jsonl
+    from canntrain_core.finetune.tasks import task_records
+    from canntrain_core.recipe import load_recipe
+    from canntrain_core.finetune.alignment_data import preference_records
+    from canntrain_core.stages import make_trainer
+    from canntrain_core.train.trainer import Trainer
+
     done = Start(root / "sft_hf", root / "prompts.jsonl", root / "pairs.jsonl", root / "sft")
     if (root / "settings.json").is_file():  # written last: a complete start
         return done
@@ -124,10 +131,11 @@ def trained(recipe, workdir: str | Path, name: str):
 
     recipe_hash = hashlib.sha256(recipe.to_yaml().encode()).hexdigest()[:10]
     run = Path(workdir).resolve() / f"{name}-{recipe_hash}-{code_version()}"
-    if (run / "done").is_file():
-        return make_trainer(recipe, run_dir=run, resume_from="auto", progress=False)
-    shutil.rmtree(run, ignore_errors=True)
-    trainer = make_trainer(recipe, run_dir=run, progress=False)
-    trainer.fit()
-    (run / "done").write_text("")
+    with file_lock(run.with_name(run.name + ".lock")):
+        if (run / "done").is_file():
+            return make_trainer(recipe, run_dir=run, resume_from="auto", progress=False)
+        shutil.rmtree(run, ignore_errors=True)
+        trainer = make_trainer(recipe, run_dir=run, progress=False)
+        trainer.fit()
+        (run / "done").write_text("")
     return trainer

@@ -27,6 +27,7 @@ import canntrain_kernels as kernels
 from canntrain_core.errors import RecipeError
 from canntrain_core.families import family_of
 from canntrain_core.families.family import layer_windows
+from canntrain_core.parallel.expert import routed
 from canntrain_kernels.registry import Selection
 
 _PRECISION_DTYPES = {"fp32": ("fp32",), "bf16": ("fp32", "bf16"), "fp16": ("fp32", "fp16")}
@@ -158,6 +159,9 @@ def apply_kernels(model: torch.nn.Module, model_config: Any, device: str | None 
             module.__class__ = FusedLlamaAttention
             module._rope, module._attention = fns["apply_rotary"], fns["attention"]
             used |= {"apply_rotary", "attention"}
+        elif kind == "experts":  # a mixture of experts: canntrain's routed forward, the experts by the kernel
+            routed(module, fns["expert_mlp"])
+            used.add("expert_mlp")
     if (kinds or config is None) and used == {"cross_entropy"}:
         raise TypeError(
             f"apply_kernels: no norm, MLP or attention modules the kernels replace in {type(model).__name__}"

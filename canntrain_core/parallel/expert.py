@@ -7,7 +7,8 @@ seeded init and ``init_from`` fill each rank's experts as for any placement). Th
 
 1. dispatch: sort the (token, k) pairs by expert, exchange the per-expert counts, then the tokens, with
    ``all_to_all_single`` and uneven splits (one exchange forward, the reverse one in backward);
-2. run this rank's experts on the tokens it received, grouped by expert (``expert_mlp``);
+2. run this rank's experts on the tokens it received, grouped by expert: the kernel registry's ``expert_mlp``
+   (a loop on CPU; the device's grouped matmul where the recipe's kernels pick it);
 3. combine: the reverse exchange, each result back at its (token, k) position, weighted by the router.
 
 FSDP2 shards each rank's experts further over ``dp_shard_mod_ep`` (``data_parallel.apply_fsdp``) and averages
@@ -21,12 +22,12 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from canntrain_core.models.moe import expert_capacity
+from canntrain_kernels.reference import expert_mlp as reference_expert_mlp
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 
@@ -97,20 +98,6 @@ def combine(y: torch.Tensor, state, pairs: int) -> torch.Tensor:
     return y.new_zeros((pairs, y.shape[1])).index_copy(0, order, y)
 
 
-def expert_mlp(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
-    """SwiGLU experts on rows grouped by expert (``counts`` rows each): one grouped matmul per projection where
-    the device has one (``torch._grouped_mm``: CUDA, bf16), else a loop over the experts (the CPU reference)."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offs)
-    outs = []
-    for e, rows in enumerate(x.split(counts)):
-        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(act(gate) * up, down[e]))
-    return torch.cat(outs)
-
-
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient times ``scale``."""
 
@@ -139,7 +126,8 @@ def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
         keep = within_capacity(top_k_index, top_k_weights, capacity, self.num_experts)
     tokens, counts, state = dispatch(hidden_states, top_k_index, self.num_experts, self.ep_group, keep)
     ep = dist.get_world_size(self.ep_group) if self.ep_group is not None else 1
-    y = expert_mlp(tokens, counts, _local(self.gate_up_proj, ep), _local(self.down_proj, ep), self.act_fn)
+    counts = torch.tensor(counts)
+    y = self.expert_kernel(tokens, counts, _local(self.gate_up_proj, ep), _local(self.down_proj, ep))
     out = combine(y, state, top_k_index.numel()).view(*top_k_index.shape, -1) * top_k_weights[..., None]
     return out.sum(1).to(hidden_states.dtype)
 
@@ -148,6 +136,17 @@ def experts_of(layer: nn.Module) -> nn.Module | None:
     """A decoder layer's experts (transformers' ``mlp.experts``: 3-D expert tensors), or None for a dense MLP."""
     experts = getattr(layer.mlp, "experts", None)
     return experts if experts is not None and hasattr(experts, EXPERT_TENSORS[0]) else None
+
+
+def routed(experts: nn.Module, kernel=None) -> None:
+    """Make ``experts`` run canntrain's forward, its experts by ``kernel`` (the registry's expert_mlp; None:
+    the one already chosen, else the reference loop). Keeps an ep group or capacity already set."""
+    if getattr(experts.act_fn, "__name__", type(experts.act_fn).__name__) not in ("silu", "SiLU", "SiLUActivation"):
+        raise ValueError(f"canntrain's experts compute SwiGLU; this model's experts use {experts.act_fn}")
+    experts.ep_group = getattr(experts, "ep_group", None)
+    experts.capacity_factor = getattr(experts, "capacity_factor", None)
+    experts.expert_kernel = kernel or getattr(experts, "expert_kernel", reference_expert_mlp)
+    experts.forward = types.MethodType(_forward, experts)
 
 
 def route_experts(model: nn.Module, ep_mesh: DeviceMesh | None, capacity_factor: float | None) -> None:
@@ -166,5 +165,5 @@ def route_experts(model: nn.Module, ep_mesh: DeviceMesh | None, capacity_factor:
                 )
         experts.ep_group = ep_mesh.get_group() if ep_mesh is not None else None
         experts.capacity_factor = capacity_factor
-        experts.forward = types.MethodType(_forward, experts)
+        routed(experts)
     model.capacity_factor = capacity_factor

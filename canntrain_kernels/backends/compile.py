@@ -66,8 +66,8 @@ def cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk_size:
     return chunked_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, chunk_fn=_chunk_fn)
 
 
-_FNS = {op: _compiled(getattr(reference, op)) for op in OPS if op != "cross_entropy"}
+_FNS = {op: _compiled(getattr(reference, op)) for op in OPS if op not in ("cross_entropy", "expert_mlp")}
 _FNS["cross_entropy"] = cross_entropy
 
-for _op in OPS:
+for _op in _FNS:
     register(Kernel(_op, "compile", _FNS[_op], devices=("cpu", "cuda", "npu"), probe=_probe, note="torch.compile"))

@@ -74,11 +74,26 @@ def cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk_size:
     return chunked_cross_entropy(hidden, weight, targets, ignore_index, chunk_size)
 
 
+def _probe_grouped_mm() -> str | None:
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no torch._grouped_mm"
+    return _probe_gpu()
+
+
+def expert_mlp(x, counts, gate_up, down):
+    """The experts' two projections as one grouped GEMM each (``torch._grouped_mm``, rows split at the
+    cumulative counts; bf16 on sm90+: the registry's check keeps it out of other dtypes)."""
+    offs = counts.to(x.device).cumsum(0).to(torch.int32)
+    gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+
+
 for _op, _fn, _probe, _note in (
     ("rms_norm", rms_norm, _probe_triton, "triton"),
     ("apply_rotary", apply_rotary, _probe_triton, "triton"),
     ("swiglu", swiglu, _probe_triton, "triton"),
     ("attention", attention, _probe_gpu, "torch sdpa (flash)"),
     ("cross_entropy", cross_entropy, _probe_gpu, "chunked, cuBLAS"),
+    ("expert_mlp", expert_mlp, _probe_grouped_mm, "torch._grouped_mm"),
 ):
     register(Kernel(_op, "cuda", _fn, devices=("cuda",), probe=_probe, note=_note))

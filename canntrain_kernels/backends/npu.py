@@ -6,6 +6,9 @@ Signatures (torch_npu / op-plugin documentation):
 * ``torch_npu.npu_rotary_mul(x, r1, r2, rotary_mode='half') -> y``: y = x*r1 + rotate_half(x)*r2,
   x in BNSD with r1/r2 broadcastable as [B or 1, 1, S, D].
 * ``torch_npu.npu_swiglu(x, dim=-1) -> y``: x = [A, B] halves along dim, y = silu(A) * B.
+* ``torch_npu.npu_grouped_matmul(x, weight, *, group_list, split_item, group_type, group_list_type) -> [y]``:
+  with ``split_item=3`` one x [m, k] and one weight [groups, k, n] give one y [m, n]; ``group_type=0`` splits m,
+  ``group_list_type=1`` gives rows per group (MindSpeed's gmm for a mixture of experts).
 * ``torch_npu.npu_fusion_attention(q, k, v, head_num, input_layout, pse=None, padding_mask=None,
   atten_mask=None, scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647,
   inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, ...)
@@ -96,11 +99,27 @@ def cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk_size:
     return chunked_cross_entropy(hidden, weight, targets, ignore_index, chunk_size)
 
 
+def expert_mlp(x, counts, gate_up, down):
+    """The experts' projections as grouped matmuls (npu_grouped_matmul), the activation by npu_swiglu. Written
+    against torch_npu's documented API and not run here: the registry's numerics check, forward and backward,
+    decides whether auto uses it."""
+    npu = _torch_npu()
+    groups = counts.to(device=x.device, dtype=torch.int64)
+
+    def grouped(a, w):  # a [rows, k] by each expert's w [n, k] (transformers' layout): a_e @ w_e^T
+        return npu.npu_grouped_matmul(
+            [a], [w.transpose(-2, -1)], group_list=groups, split_item=3, group_type=0, group_list_type=1
+        )[0]
+
+    return grouped(npu.npu_swiglu(grouped(x, gate_up), dim=-1), down)
+
+
 for _op, _fn in {
     "rms_norm": rms_norm,
     "apply_rotary": apply_rotary,
     "swiglu": swiglu,
     "attention": attention,
     "cross_entropy": cross_entropy,
+    "expert_mlp": expert_mlp,
 }.items():
     register(Kernel(_op, "npu", _fn, devices=("npu",), probe=_probe, note="torch_npu"))

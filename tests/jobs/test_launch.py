@@ -385,5 +385,8 @@ def test_expected_failure_under_torchrun_reaches_the_launchers_summary(tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr  # torchrun's own code for a failed child
     line = "canntrain train: distributed.world_size=4 but this job has 2 process(es) (WORLD_SIZE)"
     summary = r.stderr[r.stderr.index("Root Cause") :]
-    assert line in summary and "exitcode  : 2" in summary, r.stderr[-3000:]
+    assert line in summary, r.stderr[-3000:]
+    # the rank exits with 2; on a loaded machine torchrun may stop it (SIGTERM) after it wrote its error file, as
+    # the other rank's failure comes first: the line reaches the summary either way
+    assert "exitcode  : 2" in summary or "(SIGTERM)" in summary, r.stderr[-3000:]
     assert not (tmp_path / "run").exists()

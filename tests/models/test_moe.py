@@ -4,9 +4,9 @@ trainer logs it apart. Layout parity, init_from and export: tests/models/test_hf
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-import types
 
 import pytest
 import torch
@@ -14,11 +14,13 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, load_balancing_loss_func
 
 from canntrain_core.families import FAMILIES
+import canntrain_kernels as kernels
+from canntrain_core.models.fused import apply_kernels
 from canntrain_core.models.lm import CausalLM
+from canntrain_core.recipe import ModelConfig
 from canntrain_core.models.moe import expert_capacity, expert_tokens, load_balancing_loss
 from canntrain_core.models.registry import build_model
-from canntrain_core.parallel.expert import _forward as expert_forward
-from canntrain_core.parallel.expert import within_capacity
+from canntrain_core.parallel.expert import routed, within_capacity
 from canntrain_core.sizing.layout import Layout, layout_problems
 from canntrain_core.sizing.shapes import shape_from_preset
 from canntrain_core.train.trainer import Trainer
@@ -147,7 +149,7 @@ def test_experts_over_capacity_compute_transformers_output_without_the_dropped_p
 def route_experts_of(experts, factor):
     """``parallel.expert.route_experts``'s forward on one experts module (no model around it)."""
     experts.ep_group, experts.capacity_factor = None, factor
-    experts.forward = types.MethodType(expert_forward, experts)
+    routed(experts)
 
 
 def test_the_trainer_counts_the_assignments_over_capacity(tmp_path, fast_recipe):
@@ -173,3 +175,18 @@ def test_the_trainer_counts_the_assignments_over_capacity(tmp_path, fast_recipe)
     assert "dropped_tokens" not in runs[None][0]
     assert [r["loss"] for r in runs[8.0]] == pytest.approx([r["loss"] for r in runs[None]], abs=1e-5)
     assert runs[0.5][-1]["loss"] != pytest.approx(runs[None][-1]["loss"], abs=1e-3)
+
+
+@pytest.mark.parametrize("preset", [f.tiny for f in FAMILIES.values() if f.router_class])
+def test_the_kernels_run_the_experts_through_the_registry(preset):
+    """model.kernels (here auto on CPU: the loop, eager) routes each family's experts through the registry's
+    expert_mlp: transformers' logits (fp32)."""
+    hf = build_model(preset, vocab_size=300, seed=0)
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        fused = apply_kernels(copy.deepcopy(hf), ModelConfig(preset=preset, kernel_overrides={"expert_mlp": "auto"}))
+        assert fused.canntrain_kernels["expert_mlp"].backend == "eager"
+        experts = next(m for m in fused.modules() if hasattr(m, "expert_kernel"))
+        assert experts.expert_kernel is kernels.get("expert_mlp", "eager")
+        assert (fused(ids).logits - want).abs().max() < 1e-5
