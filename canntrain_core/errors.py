@@ -41,5 +41,10 @@ class OutOfMemory(CanntrainError):
     exit_code = EXIT_OUT_OF_MEMORY
 
 
+class NonFinite(CanntrainError):
+    """A step's loss or gradients were NaN or inf (``optim.nonfinite: stop``); the message names the step and the
+    last complete checkpoint to resume from."""
+
+
 class RecipeError(BadInput, ValueError):
     """A recipe that cannot be used; the message says which file, key and line."""

@@ -173,6 +173,10 @@ class OptimConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0)
     # Keep AdamW states (and fp32 master weights) in host memory: the cann-recipes-train articles' "swap optimizer".
     offload_optimizer: bool = False
+    # A step whose gradient norm is NaN or inf (a NaN or inf loss or gradient): stop, naming the last complete
+    # checkpoint to resume from, or skip it (no update; counted as skipped_steps). fp16's loss scaler skips such
+    # steps itself, lowering its scale.
+    nonfinite: Literal["stop", "skip"] = "stop"
 
     @field_validator("betas")
     @classmethod
@@ -334,6 +338,22 @@ RLHF_KEYS = {
 }
 
 
+class ProfileConfig(_Section):
+    """logging.profile: where a step's time goes (train/timing.py)."""
+
+    # time each step's phases (data, forward, backward, optimizer), logged as time/<phase> beside step_time; it
+    # synchronises the device at each phase's end, so it is off unless asked for
+    enabled: bool = False
+    trace: bool = False  # and record a torch.profiler trace of `steps` into <run>/profile/ (TensorBoard, Perfetto)
+    steps: tuple[int, int] = (3, 4)  # the traced steps, first and last (inclusive)
+
+    @model_validator(mode="after")
+    def _window(self) -> "ProfileConfig":
+        if not 1 <= self.steps[0] <= self.steps[1]:
+            raise ValueError(f"steps: [first, last] with 1 <= first <= last, got {list(self.steps)}")
+        return self
+
+
 class LoggingConfig(_Section):
     log_interval: int = Field(10, gt=0)
     eval_interval: int = Field(50, gt=0)
@@ -344,6 +364,9 @@ class LoggingConfig(_Section):
     eval_exact_match: int = Field(0, ge=0)
     ckpt_interval: int = Field(100, gt=0)
     keep_last: int = Field(3, gt=0)
+    # A gradient norm over this many times the median of the last 20 steps' is reported (grad_norm_spikes)
+    grad_spike_factor: float | None = Field(10.0, gt=1)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
 
 class Recipe(_Section):

@@ -78,9 +78,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def shared(name: str, build) -> Path:
+    """$CANNTRAIN_RUNS/<name>, built once for the session by ``build(dir)``: the first test worker that asks builds
+    it (`make test` runs two, pytest-xdist), another waits for it under the lock and reuses it."""
+    from canntrain_core.data.cache import file_lock
+
+    root = Path(os.environ["CANNTRAIN_RUNS"]) / name
+    with file_lock(root.with_name(name + ".lock")):
+        if not (root / ".done").is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+            build(root)
+            (root / ".done").write_text("")
+    return root
+
+
 @pytest.fixture(scope="session")
-def data_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("data-cache"))
+def data_cache() -> str:
+    """The tokenizers and tokenized corpora of the session, shared by the workers (their builds take a lock)."""
+    return str(Path(os.environ["CANNTRAIN_RUNS"]) / "data-cache")
 
 
 @pytest.fixture
@@ -122,25 +138,27 @@ def task_data(tmp_path, n=4000, kinds=("sort", "upper"), seed=0) -> str:
 
 
 @pytest.fixture(scope="session")
-def pretrained(tmp_path_factory, data_cache):
+def pretrained(data_cache):
     """A tiny Llama pretrained for 60 steps on the stdlib, exported as a Hugging Face directory."""
     from canntrain_core.checkpoint.export import export_hf
     from canntrain_core.train.trainer import Trainer
 
-    d = tmp_path_factory.mktemp("pretrained")
-    recipe = load_recipe(
-        TINY,
-        {
-            **FAST,
-            "data.tokenizer.vocab_size": 4096,
-            "data.cache_dir": data_cache,
-            "optim.max_steps": 60,
-            "logging.ckpt_interval": 60,
-            "logging.eval_interval": 60,
-        },
-    )
-    Trainer(recipe, run_dir=d / "run", progress=False).fit()
-    return export_hf(d / "run", d / "hf").out
+    def build(d: Path) -> None:
+        recipe = load_recipe(
+            TINY,
+            {
+                **FAST,
+                "data.tokenizer.vocab_size": 4096,
+                "data.cache_dir": data_cache,
+                "optim.max_steps": 60,
+                "logging.ckpt_interval": 60,
+                "logging.eval_interval": 60,
+            },
+        )
+        Trainer(recipe, run_dir=d / "run", progress=False).fit()
+        export_hf(d / "run", d / "hf")
+
+    return shared("pretrained", build) / "hf"
 
 
 @dataclass
@@ -152,30 +170,40 @@ class SFTRun:
 
 
 @pytest.fixture(scope="session")
-def sft_run(pretrained, tmp_path_factory, data_cache) -> SFTRun:
-    """400 steps of full SFT on sort/uppercase from ``pretrained``, exact match scored before and after."""
+def sft_run(pretrained, data_cache) -> SFTRun:
+    """400 steps of full SFT on sort/uppercase from ``pretrained``, exact match scored before and after; the trainer
+    is the finished run's, resumed from its last checkpoint."""
     from canntrain_core.checkpoint.export import export_hf
+    from canntrain_core.data.cache import file_lock
     from canntrain_core.stages import make_trainer
 
-    d = tmp_path_factory.mktemp("sft")
-    tasks = task_data(d)
-    recipe = load_recipe(
-        None,
-        {
-            **SFT,
-            "model.init_from": str(pretrained),
-            "data.source": tasks,
-            "data.cache_dir": data_cache,
-            "optim.max_steps": 400,
-            "optim.lr": 3e-3,
-            "logging.log_interval": 50,
-            "logging.eval_interval": 400,
-            "logging.eval_exact_match": 64,
-        },
-    )
-    trainer = make_trainer(recipe, run_dir=d / "run", progress=False)
-    trainer.fit()
-    return SFTRun(d / "run", export_hf(d / "run", d / "hf").out, tasks, trainer)
+    TASKS = "tasks-sort-upper-4000-0.jsonl"  # task_data's defaults
+
+    def recipe(d: Path):
+        return load_recipe(
+            None,
+            {
+                **SFT,
+                "model.init_from": str(pretrained),
+                "data.source": str(d / TASKS),
+                "data.cache_dir": data_cache,
+                "optim.max_steps": 400,
+                "optim.lr": 3e-3,
+                "logging.log_interval": 50,
+                "logging.eval_interval": 400,
+                "logging.eval_exact_match": 64,
+            },
+        )
+
+    def build(d: Path) -> None:
+        assert task_data(d) == str(d / TASKS)
+        make_trainer(recipe(d), run_dir=d / "run", progress=False).fit()
+        export_hf(d / "run", d / "hf")
+
+    d = shared("sft_run", build)
+    with file_lock(d.with_name("sft_run.lock")):  # resuming rewrites the run's files: one worker at a time
+        trainer = make_trainer(recipe(d), run_dir=d / "run", resume_from="auto", progress=False)
+    return SFTRun(d / "run", d / "hf", str(d / TASKS), trainer)
 
 
 def write_hf_model(

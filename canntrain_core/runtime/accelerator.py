@@ -10,6 +10,7 @@ means "no NPU".
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import resource
@@ -63,6 +64,20 @@ class Accelerator:
         if not self.supports_dtype(precision):
             raise RuntimeError(f"model.precision={precision} is not supported on {self.type}")
         return torch.autocast(device_type=self.type, dtype=dtype)
+
+    def profiler(self, out_dir: str, worker: str):
+        """A profiler of this process's CPU and device activity that writes a trace to ``out_dir`` when stopped
+        (TensorBoard's profiler plugin and Perfetto read it); torch_npu's profiler on an NPU (its traces are CANN's,
+        read by the same tools), torch's elsewhere."""
+        prof = importlib.import_module("torch_npu").profiler if self.type == "npu" else torch.profiler
+        device = {"npu": "NPU", "cuda": "CUDA"}.get(self.type)
+        activities = [prof.ProfilerActivity.CPU] + ([getattr(prof.ProfilerActivity, device)] if device else [])
+        return prof.profile(
+            activities=activities,
+            profile_memory=True,
+            record_shapes=True,
+            on_trace_ready=prof.tensorboard_trace_handler(out_dir, worker_name=worker),
+        )
 
     def synchronize(self) -> None:
         if self.module is not None:

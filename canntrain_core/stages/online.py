@@ -12,7 +12,6 @@ import torch
 
 from canntrain_core.finetune.tasks import partial_score, score
 from canntrain_core.models.rollout import sample
-from canntrain_core.parallel.clip import clip_grad_norm
 from canntrain_core.finetune.alignment_data import build_prompt_data
 from canntrain_core.train.trainer import Trainer
 
@@ -70,15 +69,6 @@ class OnlineTrainer(Trainer):
         prompts = self.data.val[:n]
         ro = self.rollout(prompts, 1, 0.0)
         return [(self.data.decode(p), self.data.answer_text(r), ref) for (p, ref), r in zip(prompts, ro.responses)]
-
-    def optimizer_step(self) -> float:
-        """Clip and step as the training loop does (the gradients were scaled by ``self.scaler`` under fp16)."""
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.optim.grad_clip, self.pp_group)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
 
     def batches(self):
         """Each iteration's ``data.batch_size`` prompts, in the sampler's order."""

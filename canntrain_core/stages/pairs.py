@@ -90,9 +90,10 @@ class PairTrainer(Trainer):
     def train_step(self, micro_batches: list) -> torch.Tensor:
         total = torch.zeros((), device=self.acc.device)
         for b in micro_batches:
-            with self.acc.autocast(self.recipe.model.precision):
+            with self.timer("forward"), self.acc.autocast(self.recipe.model.precision):
                 loss, _ = self.pair_loss(b)
-            self.scaler.scale(loss / len(micro_batches)).backward()  # the loop unscales (fp16) before clipping
+            with self.timer("backward"):
+                self.scaler.scale(loss / len(micro_batches)).backward()  # the loop unscales (fp16) before clipping
             total += loss.detach() / len(micro_batches)
         return total
 

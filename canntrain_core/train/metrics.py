@@ -65,9 +65,12 @@ class MetricsLog:
         """Drop lines past ``step`` (a resumed run rewrites what followed its checkpoint)."""
         if not self.path.is_file():
             return
-        kept = [json.dumps(r) for r in _parse_lines(self.path.read_text()) if r["step"] <= step]
+        text = self.path.read_text()
+        kept = "".join(json.dumps(r) + "\n" for r in _parse_lines(text) if r["step"] <= step)
+        if kept == text:  # nothing to drop (not even a torn last line): the file stays as it is
+            return
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_text(kept)
         tmp.replace(self.path)
 
 

@@ -6,18 +6,21 @@ mesh (pp, dp_replicate, dp_shard, cp, tp), `parallelize` applies it, and only ra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
+import statistics
+import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from canntrain_core import checkpoint
 from canntrain_core.checkpoint.drift import check_resume
@@ -25,7 +28,7 @@ from canntrain_core.checkpoint.export import BASE_FINGERPRINT, STAGE_FILE, check
 from canntrain_core.data import build_data, pretrained_tokenizer
 from canntrain_core.data.tokenizer import tokenizer_files
 from canntrain_core.finetune.evaluate import exact_match
-from canntrain_core.errors import BadInput, OutOfMemory, RecipeError
+from canntrain_core.errors import BadInput, NonFinite, OutOfMemory, RecipeError
 from canntrain_core.models.fused import check_kernels_fit
 from canntrain_core.models.hf import base_fingerprint
 from canntrain_core.models.lifecycle import build_training_model
@@ -46,6 +49,8 @@ from canntrain_core.sizing.layout import Layout, check_layout
 from canntrain_core.sizing.oom import oom_hint
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
+from canntrain_core.train.progress import progress_bar
+from canntrain_core.train.timing import StepTimer, TraceWindow, advice
 
 
 class RunDirError(BadInput):
@@ -160,6 +165,11 @@ class Trainer:
         self.aux_loss: torch.Tensor | None = None  # a mixture of experts' load-balancing loss over the last step
         self.expert_tokens: torch.Tensor | None = None  # and its routed tokens per layer and expert since the last log
         self.dropped_tokens: torch.Tensor | None = None  # and per layer those over capacity (expert_capacity_factor)
+        self.timer = StepTimer(r.logging.profile.enabled, self.acc.synchronize)  # where a step's time goes
+        self.skipped_steps = 0  # steps whose gradient norm was NaN or inf (optim.nonfinite: skip)
+        self.grad_norms: deque[float] = deque(maxlen=20)  # the last steps' gradient norms: a spike's yardstick
+        self.spikes = 0  # gradient norm spikes since the last log
+        self.advised: set[str] = set()  # what the breakdown's advice has said already
         # an adapted model (LoRA) checkpoints its adapters only; they name the base they adapt
         self.adapters_only = has_adapters(self.model)
         if resume_path is not None and self.adapters_only:
@@ -297,12 +307,17 @@ class Trainer:
         batches = self.batches()
         if self.step == 0:
             self._write({"step": 0, **self.evaluate()})
-        bar = tqdm(total=r.optim.max_steps, initial=self.step, desc=r.experiment.name, disable=not self.progress)
+        bar = progress_bar(r.optim.max_steps, self.step, r.experiment.name, self.progress)
+        trace = TraceWindow(r.logging.profile, self.run_dir / "profile", self.acc, self.rank)
         self.acc.reset_peak_memory()
         self.window = [time.perf_counter(), 0]  # throughput: the start and steps of the interval being timed
         try:
             while self.step < r.optim.max_steps:
-                raw = self.train_iteration(next(batches))
+                trace.before(self.step + 1)
+                with self.timer("data"):
+                    batch = next(batches)
+                raw = self.train_iteration(batch)
+                trace.after(self.step + 1)
                 self.scheduler.step()
                 self.step += 1
                 self.window[1] += 1
@@ -310,21 +325,33 @@ class Trainer:
                 last = self.step == r.optim.max_steps
                 record = self.log_record(raw, last)
                 if self.step % r.logging.eval_interval == 0 or last:
-                    record = self.with_evaluation(record, raw)
+                    with self.paused():
+                        record = self.with_evaluation(record, raw)
                 if self.progress:
                     bar.set_postfix(self.postfix(raw, record))
                 if record:
                     self._write({"step": self.step, **record})
                 if self.step % r.logging.ckpt_interval == 0 or self.step in (r.optim.max_steps, stop_after):
-                    self.save()
+                    with self.paused():
+                        self.save()
                 if self.step == stop_after:
                     break
-                if record:  # evaluation and checkpoint time is not training throughput
+                if record:  # the next interval's clock starts
                     self.window = [time.perf_counter(), 0]
         finally:
+            trace.close()
             self.close()
             bar.close()
         return self.result()  # plots are drawn from metrics.jsonl by the CLI and the notebooks
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Evaluation and checkpoints are not training throughput: their time is taken off the interval's clock."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window[0] += time.perf_counter() - start
 
     # ------------------------------------------------------------------ a stage's step (pretraining's here)
     def batches(self) -> Iterator:
@@ -352,12 +379,51 @@ class Trainer:
             if not _is_oom(e):
                 raise
             raise self._out_of_memory(e) from e
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.optim.grad_clip, self.pp_group)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        return {"loss": loss, "grad_norm": self.optimizer_step(), "lr": lr}
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Unscale (fp16), clip and step, the optimizer of every stage; returns the gradient norm (over all ranks).
+        A NaN or inf norm stops the run naming the last complete checkpoint, or skips the update
+        (``optim.nonfinite``); one far above the recent ones is reported (``logging.grad_spike_factor``)."""
+        with self.timer("optimizer"):
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.optim.grad_clip, self.pp_group)
+            norm = float(grad_norm)  # the same on every rank: the decision below is too
+            if math.isfinite(norm) or self.scaler.is_enabled():  # fp16's scaler skips a non-finite step itself
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self._watch_spikes(norm)
+            else:
+                self._nonfinite(norm)
+            self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _nonfinite(self, norm: float) -> None:
+        step = self.step + 1
+        if self.recipe.optim.nonfinite == "skip":
+            self.skipped_steps += 1
+            if self.rank == 0:
+                print(f"step {step}: gradient norm {norm}: update skipped (optim.nonfinite: skip)", file=sys.stderr)
+            return
+        done = checkpoint.list_checkpoints(self.ckpt_root)
+        last = f"the last complete checkpoint is {done[-1]}" if done else "no checkpoint was written yet"
+        raise NonFinite(
+            f"step {step}: the gradient norm is {norm} (a NaN or inf loss or gradient); {last}. Resume from it "
+            "(--resume-from auto) with a lower optim.lr or a tighter optim.grad_clip, or set optim.nonfinite=skip"
+        )
+
+    def _watch_spikes(self, norm: float) -> None:
+        factor = self.recipe.logging.grad_spike_factor
+        median = statistics.median(self.grad_norms) if len(self.grad_norms) >= 5 else None
+        if factor and median and norm > factor * median:
+            self.spikes += 1
+            if self.rank == 0:
+                print(
+                    f"step {self.step + 1}: gradient norm {norm:.3g} is {norm / median:.0f}x the median of the last "
+                    f"{len(self.grad_norms)} steps (logging.grad_spike_factor {factor:g})",
+                    file=sys.stderr,
+                )
+        self.grad_norms.append(norm)
 
     def log_record(self, raw: dict, last: bool) -> dict[str, Any]:
         """What this step logs ({} between ``logging.log_interval``s): loss over data-parallel ranks, gradient
@@ -383,9 +449,25 @@ class Trainer:
         if self.aux_loss is not None:  # MoE: "loss" holds router_aux_loss_coef x it, as transformers' loss does
             record["aux_loss"] = self._mean_over_ranks(self.aux_loss)
             record.update(self._expert_balance())
+        record.update(self.health(self.window[1]))
         if "padding_fraction" in self.data.info:  # instruction rows: tokens that are not padding
             record["real_tokens_per_second"] = record["tokens_per_second"] * (1 - self.data.info["padding_fraction"])
         return record
+
+    def health(self, steps: int) -> dict[str, Any]:
+        """What every stage logs beside its metrics: skipped steps (cumulative), gradient norm spikes, and under
+        ``logging.profile`` the seconds per step of each phase, whose advice is printed once."""
+        out: dict[str, Any] = self.timer.take(steps)
+        if self.skipped_steps:
+            out["skipped_steps"] = self.skipped_steps
+        if self.spikes:
+            out["grad_norm_spikes"], self.spikes = self.spikes, 0
+        if out and self.rank == 0:
+            for line in advice({"step_time": (time.perf_counter() - self.window[0]) / max(1, steps), **out}):
+                if line not in self.advised:
+                    self.advised.add(line)
+                    print(line, file=sys.stderr)
+        return out
 
     def with_evaluation(self, record: dict, raw: dict) -> dict:
         """``record`` with this step's evaluation (``logging.eval_interval``)."""
@@ -409,19 +491,20 @@ class Trainer:
         if self.schedule is not None:
             x, t = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # the schedule re-splits
             self.model.token_weight = None if weights is None else self._pp_token_weight
-            with acc.autocast(precision):
+            with self.timer("forward_backward"), acc.autocast(precision):
                 return self._pipeline(self.schedule.step, x, t)
         loss_sum = torch.zeros((), device=acc.device)
         self.aux_loss = None if self.model.routers is None else torch.zeros((), device=acc.device)
         for i, (x, t, kw) in enumerate(parts):
             sync_gradients(self.model, self.recipe.distributed.zero_optimization, last=i == len(parts) - 1)
-            with acc.autocast(precision):
+            with self.timer("forward"), acc.autocast(precision):
                 loss = self.model(x, t, **kw)
             # Pretraining rows hold the same number of tokens: the mean of micro-batch means is the
             # step's mean. Instruction rows do not: each loss is weighted by its share of the step's
             # trained tokens over all data-parallel ranks (x dp: the gradient reduction averages).
             part = loss / len(parts) if weights is None else loss * weights[i]
-            self.scaler.scale(part).backward()
+            with self.timer("backward"):
+                self.scaler.scale(part).backward()
             loss_sum += part.detach()
             if self.aux_loss is not None:  # a mixture of experts: its load-balancing loss, logged apart
                 self.aux_loss += self.model.aux_loss / len(parts)
@@ -567,6 +650,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "sampler": self.data.sampler.state_dict(),
             "rng": self.acc.rng_state(),
+            "skipped_steps": self.skipped_steps,
             "extra": self.extra_state(),
         }
         return checkpoint.save_checkpoint(
@@ -640,6 +724,7 @@ class Trainer:
         self.data.sampler.load_state_dict(state["sampler"])
         self.acc.set_rng_state(state["rng"])
         self.load_extra_state(state.get("extra", {}))
+        self.skipped_steps = state.get("skipped_steps", 0)
         if self.rank == 0:
             self.metrics.truncate_after(self.step)
             print(f"resumed from {path} at step {self.step}")

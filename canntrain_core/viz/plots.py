@@ -6,6 +6,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from canntrain_core.errors import BadInput
 from canntrain_core.train.metrics import read_metrics
 
 
@@ -112,3 +113,28 @@ def expert_balance_figure(run_dir: str | Path):
     fig.colorbar(im, ax=heat)
     fig.tight_layout()
     return fig
+
+
+def plot_curves(
+    run_dirs: list[str | Path], keys: list[str], out: str | Path, labels: list[str] | None = None
+) -> tuple[Path, dict[str, int]]:
+    """``curves_figure`` of the ``keys`` any of ``run_dirs`` logged, saved as the PNG ``out``; returns it and the
+    number of runs drawn per key. A directory without metrics.jsonl, labels that do not match the runs, or no
+    key logged by any run is a BadInput naming it."""
+    for run_dir in run_dirs:
+        if not (Path(run_dir) / "metrics.jsonl").is_file():
+            raise BadInput(f"{run_dir}: no metrics.jsonl (not a run directory)")
+    if labels is not None and len(labels) != len(run_dirs):
+        raise BadInput(f"--labels: {len(labels)} labels for {len(run_dirs)} runs")
+    rows = [read_metrics(run_dir) for run_dir in run_dirs]
+    drawn = {key: sum(any(key in r for r in run) for run in rows) for key in keys}
+    found = [key for key, n in drawn.items() if n]
+    if not found:
+        logged = sorted({k for run in rows for r in run for k in r if isinstance(r[k], (int, float))} - {"step"})
+        raise BadInput(f"--keys: no run logged {', '.join(keys)}; they log {', '.join(logged)}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig = curves_figure(run_dirs, found, labels)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out, {key: drawn[key] for key in found}
