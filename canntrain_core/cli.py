@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "canntrain_core.checkpoint.cli",  # export
     "canntrain_core.jobs.tasks_cli",  # tasks
     "canntrain_core.jobs.cli",  # run (notebooks headless)
+    "canntrain_core.jobs.sweep_cli",  # sweep (a grid of notebook runs and their summary)
     "canntrain_core.memory.cli",
     "canntrain_kernels.cli",
     "canntrain_core.jobs.launch_cli",

@@ -40,6 +40,7 @@ SLOW_FILES = {
     "test_distributed.py",
     "test_launch.py",
     "test_notebooks.py",
+    "test_sweep.py",
     "test_setup_memory.py",
     "test_memory_notebook.py",
 }

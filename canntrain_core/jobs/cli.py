@@ -9,18 +9,15 @@ import argparse
 import sys
 
 
+def add_parameter_option(p: argparse.ArgumentParser, value: str, help: str) -> None:
+    """papermill's ``-p NAME VALUE``, repeatable (``canntrain run``, ``canntrain sweep``)."""
+    p.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", value), help=help)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="execute a notebook headless with papermill")
     p.add_argument("notebook")
-    p.add_argument(
-        "-p",
-        "--parameter",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("NAME", "VALUE"),
-        help="notebook parameter (value read as YAML), e.g. -p max_steps 50",
-    )
+    add_parameter_option(p, "VALUE", "notebook parameter (value read as YAML), e.g. -p max_steps 50")
     p.add_argument("--run-dir", default=None, help="where the executed notebook and its outputs go")
     p.add_argument(
         "--nproc_per_node",

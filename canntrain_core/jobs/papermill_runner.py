@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,12 @@ class NotebookFailed(CanntrainError, RuntimeError):
 def parse_parameter(raw: str) -> Any:
     """Read a -p value the way YAML would: 1e-4, true, {optim.lr: 1e-4}, [a, b]; else keep the string."""
     try:
-        return yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
+        return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; a number is meant
+    return value
 
 
 def default_run_dir(notebook: Path) -> Path:
