@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "canntrain_core.jobs.tasks_cli",  # tasks
     "canntrain_core.jobs.cli",  # run (notebooks headless)
     "canntrain_core.jobs.sweep_cli",  # sweep (a grid of notebook runs and their summary)
+    "canntrain_core.jobs.overfit",  # overfit (a few samples must be learned to near-zero loss)
     "canntrain_core.memory.cli",
     "canntrain_kernels.cli",
     "canntrain_core.jobs.launch_cli",
