@@ -37,12 +37,12 @@ def main(out: str) -> None:
 
     rows, counts, state = dispatch(x, top_k, 4, dist.group.WORLD)
     back = combine(rows, state, 2 * tokens).view(tokens, 2, 16)
-    saved = {"roundtrip": torch.equal(back, x[:, None].expand(-1, 2, -1)), "counts": counts}
+    saved = {"roundtrip": torch.equal(back, x[:, None].expand(-1, 2, -1)), "counts": counts.tolist()}
     keep = within_capacity(top_k, weights, 2, 4)
     rows, counts, state = dispatch(x, top_k, 4, dist.group.WORLD, keep)
     back = combine(rows, state, 2 * tokens).view(tokens, 2, 16)
     saved["dropped_roundtrip"] = torch.equal(back, x[:, None].expand(-1, 2, -1) * keep[..., None])
-    saved["kept"], saved["kept_counts"] = keep.sum().item(), counts
+    saved["kept"], saved["kept_counts"] = keep.sum().item(), counts.tolist()
 
     ours = MixtralExperts(config).double()
     ours.load_state_dict(theirs.state_dict())

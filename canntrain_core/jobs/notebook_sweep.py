@@ -60,7 +60,7 @@ def sweep_notebook(
             status, error = "failed", str(e).splitlines()[0]
         logged = read_metrics(out / name)
         last = {k: next((r[k] for r in reversed(logged) if k in r), None) for k in SUMMARY_METRICS}
-        rows.append({"run": name, **params, "status": status, **{k: v for k, v in last.items()}, "error": error})
+        rows.append({"run": name, **params, "status": status, **last, "error": error})
     _write_summary(rows, out)
     return rows
 

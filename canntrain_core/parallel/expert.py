@@ -66,7 +66,8 @@ def within_capacity(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, capa
 def dispatch(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group, keep: torch.Tensor | None = None):
     """Send each (token, k) pair to the rank holding its expert (``group`` None: every expert is here). ``keep``:
     the pairs within their expert's capacity, the others are not sent. Returns the rows this rank's experts take,
-    grouped by local expert, their counts per local expert, and what ``combine`` needs to send results back."""
+    grouped by local expert, their counts per local expert (a tensor, as the expert kernels take it), and what
+    ``combine`` needs to send results back."""
     ep = dist.get_world_size(group) if group is not None else 1
     local = num_experts // ep
     flat = top_k_index.reshape(-1)
@@ -77,7 +78,7 @@ def dispatch(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group
     order = order[: int(counts.sum())]
     send = x[order // top_k_index.shape[1]]
     if group is None:
-        return send, counts.tolist(), (order, None, None, None, None)
+        return send, counts, (order, None, None, None, None)
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=group)  # [source rank][local expert]
     in_splits = counts.view(ep, local).sum(1).tolist()
@@ -86,7 +87,7 @@ def dispatch(x: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group
     by_source = received_counts.view(ep, local)
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), by_source.reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True)
-    return received[regroup], by_source.sum(0).tolist(), (order, regroup, in_splits, out_splits, group)
+    return received[regroup], by_source.sum(0), (order, regroup, in_splits, out_splits, group)
 
 
 def combine(y: torch.Tensor, state, pairs: int) -> torch.Tensor:
@@ -126,7 +127,6 @@ def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
         keep = within_capacity(top_k_index, top_k_weights, capacity, self.num_experts)
     tokens, counts, state = dispatch(hidden_states, top_k_index, self.num_experts, self.ep_group, keep)
     ep = dist.get_world_size(self.ep_group) if self.ep_group is not None else 1
-    counts = torch.tensor(counts)
     y = self.expert_kernel(tokens, counts, _local(self.gate_up_proj, ep), _local(self.down_proj, ep))
     out = combine(y, state, top_k_index.numel()).view(*top_k_index.shape, -1) * top_k_weights[..., None]
     return out.sum(1).to(hidden_states.dtype)

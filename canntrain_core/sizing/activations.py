@@ -108,10 +108,7 @@ def layer_activations(shape: ModelShape, setup: TrainSetup, recompute: str | Non
     per_tok = replicated / (tp if setup.sequence_parallel else 1) + sharded / tp + mlp / shape.mlp_tp(tp)
     copies = 0
     if setup.precision != "fp32" and setup.weights == "amp":
-        matrices = shape.layer_matrices()
-        if shape.kind == "moe":
-            matrices = shape.local_matrices(setup.ep)  # local experts only
-        copies = 2 * shape.elements_per_rank(matrices, tp)
+        copies = 2 * shape.elements_per_rank(shape.local_matrices(setup.ep), tp)  # a MoE: local experts only
     return LayerActivations(int(tokens * per_tok), copies)
 
 

@@ -90,7 +90,6 @@ def comm_per_step(
                 "bytes": rs_factor * scatters * (t - 1) / t * acts,
             }
         )
-        tp_local = (params_per_stage - replicated) / t + replicated
     elif dims.tp > 1:
         t = dims.tp
         # Forward: after o_proj and after down_proj. Backward: each column-parallel projection
@@ -106,7 +105,8 @@ def comm_per_step(
                 "bytes": calls * 2 * (t - 1) / t * acts,
             }
         )
-        tp_local = (params_per_stage - replicated) / t + replicated
+    if dims.tp > 1:
+        tp_local = (params_per_stage - replicated) / dims.tp + replicated
     if dims.tp > 1 and vocab_parallel:
         t, label = dims.tp, "TP+SP" if sequence_parallel else "TP"
         embed = (rs_factor if sequence_parallel else 2) * (t - 1) / t * acts

@@ -449,12 +449,12 @@ class Trainer:
         if self.aux_loss is not None:  # MoE: "loss" holds router_aux_loss_coef x it, as transformers' loss does
             record["aux_loss"] = self._mean_over_ranks(self.aux_loss)
             record.update(self._expert_balance())
-        record.update(self.health(self.window[1]))
+        record.update(self.health(self.window[1], record["step_time"]))
         if "padding_fraction" in self.data.info:  # instruction rows: tokens that are not padding
             record["real_tokens_per_second"] = record["tokens_per_second"] * (1 - self.data.info["padding_fraction"])
         return record
 
-    def health(self, steps: int) -> dict[str, Any]:
+    def health(self, steps: int, step_time: float) -> dict[str, Any]:
         """What every stage logs beside its metrics: skipped steps (cumulative), gradient norm spikes, and under
         ``logging.profile`` the seconds per step of each phase, whose advice is printed once."""
         out: dict[str, Any] = self.timer.take(steps)
@@ -463,7 +463,7 @@ class Trainer:
         if self.spikes:
             out["grad_norm_spikes"], self.spikes = self.spikes, 0
         if out and self.rank == 0:
-            for line in advice({"step_time": (time.perf_counter() - self.window[0]) / max(1, steps), **out}):
+            for line in advice({"step_time": step_time, **out}):
                 if line not in self.advised:
                     self.advised.add(line)
                     print(line, file=sys.stderr)

@@ -34,14 +34,18 @@ def loss_figure(run_dirs: list[str | Path], labels: list[str] | None = None, sty
     return fig
 
 
-def plot_loss(run_dirs: list[str | Path], out: str | Path, labels: list[str] | None = None) -> Path:
-    """Draw the loss curves of ``run_dirs`` into the PNG ``out``."""
+def save_png(fig, out: str | Path) -> Path:
+    """Write ``fig`` to the PNG ``out`` (its folder made) and close it."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig = loss_figure(run_dirs, labels)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_loss(run_dirs: list[str | Path], out: str | Path, labels: list[str] | None = None) -> Path:
+    """Draw the loss curves of ``run_dirs`` into the PNG ``out``."""
+    return save_png(loss_figure(run_dirs, labels), out)
 
 
 def curves_figure(run_dirs: list[str | Path], keys: list, labels: list[str] | None = None, titles: dict | None = None):
@@ -51,9 +55,9 @@ def curves_figure(run_dirs: list[str | Path], keys: list, labels: list[str] | No
     README "Alignment"): ``true_score/mean`` (the checker's score), ``critic/score/mean`` (the score the
     policy is trained on), ``actor/kl_loss`` or ``actor/reward_kl_penalty``, ``val_score``."""
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    runs = [read_metrics(run_dir) for run_dir in run_dirs]
     for ax, key in zip(axes[0], keys):
-        for i, run_dir in enumerate(run_dirs):
-            rows = read_metrics(run_dir)
+        for i, (run_dir, rows) in enumerate(zip(run_dirs, runs)):
             found = next((k for k in (key if isinstance(key, tuple) else (key,)) if any(k in r for r in rows)), None)
             points = [(r["step"], r[found]) for r in rows if found in r]
             if points:
@@ -81,12 +85,7 @@ def plot_alignment(run_dir: str | Path, out: str | Path) -> Path:
     trained_on = any(r.get("critic/score/mean") != r.get("true_score/mean") for r in rows if "critic/score/mean" in r)
     kl = [k for k in KL_KEYS if any(k in r for r in rows)]
     keys = ["true_score/mean"] + ["critic/score/mean"] * trained_on + kl[:1] + ["val_score"]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig = curves_figure([run_dir], keys)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_png(curves_figure([run_dir], keys), out)
 
 
 def expert_balance_figure(run_dir: str | Path):
@@ -132,9 +131,4 @@ def plot_curves(
     if not found:
         logged = sorted({k for run in rows for r in run for k in r if isinstance(r[k], (int, float))} - {"step"})
         raise BadInput(f"--keys: no run logged {', '.join(keys)}; they log {', '.join(logged)}")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig = curves_figure(run_dirs, found, labels)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out, {key: drawn[key] for key in found}
+    return save_png(curves_figure(run_dirs, found, labels), out), {key: drawn[key] for key in found}
