@@ -31,6 +31,7 @@ COMMAND_MODULES = [
     "canntrain_core.jobs.start_cli",  # start (the tiny recipes' starting models and data)
     "canntrain_core.jobs.generate_cli",  # generate (sample from a run, a checkpoint or an export)
     "canntrain_core.viz.cli",  # plot (several runs' curves overlaid)
+    "canntrain_core.jobs.doctor",  # doctor (environment, rank map, collectives before a job)
 ]
 
 

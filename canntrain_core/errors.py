@@ -48,3 +48,9 @@ class NonFinite(CanntrainError):
 
 class RecipeError(BadInput, ValueError):
     """A recipe that cannot be used; the message says which file, key and line."""
+
+
+class CollectiveFailed(CanntrainError):
+    """A collective did not finish within ``distributed.timeout_seconds`` (or a peer's connection closed): the
+    message names the collective, its group, this rank's step and the ranks that had not reached it, and the last
+    complete checkpoint."""

@@ -226,6 +226,10 @@ class DistributedConfig(_Section):
     # The device the recipe is sized for (a preset of canntrain_core/sizing/devices.py, e.g. 910b):
     # `canntrain estimate` checks against its memory, and the shipped recipes are tested to fit it.
     target_device: str | None = None
+    # Rehearse on a smaller device: each rank may hold at most this many GiB beyond what it held before its model
+    # was built (the device allocator's per-process fraction; on a CPU the process's data size limit), so a run
+    # that needs more fails with the out-of-memory diagnosis, as it would there.
+    memory_budget_gb: float | None = Field(None, gt=0)
 
     @field_validator("target_device")
     @classmethod
@@ -366,6 +370,8 @@ class LoggingConfig(_Section):
     keep_last: int = Field(3, gt=0)
     # A gradient norm over this many times the median of the last 20 steps' is reported (grad_norm_spikes)
     grad_spike_factor: float | None = Field(10.0, gt=1)
+    # Every metrics.jsonl row's numbers also as TensorBoard scalars in <run_dir>/tensorboard (needs tensorboard)
+    tensorboard: bool = False
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
 

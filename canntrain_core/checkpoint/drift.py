@@ -44,6 +44,8 @@ RULES: list[tuple[str, str]] = [
     ("data.persistent_workers", "bookkeeping"),
     ("distributed.timeout_seconds", "bookkeeping"),
     ("distributed.allow_cross_node_tp", "bookkeeping"),
+    ("distributed.memory_budget_gb", "bookkeeping"),
+    ("distributed.target_device", "bookkeeping"),
     ("model.type", "shape"),
     ("model.preset", "shape"),
     ("data.tokenizer.vocab_size", "shape"),

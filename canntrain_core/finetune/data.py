@@ -70,6 +70,14 @@ def fit_sample(s: Sample, length: int, policy: str) -> Encoded | str:
     return Encoded(e.ids[over:], e.trained[over:], e.prompt_len - over)
 
 
+def real_tokens(rows: dict[str, torch.Tensor]) -> int:
+    """Input tokens of a batch of rows that are not padding: a packed row's samples (``segment_ids`` > 0), a padded
+    row's one sample (its positions run 0..n-1). Inputs are a row's first ``seq_length`` tokens."""
+    if "segment_ids" in rows:
+        return int((rows["segment_ids"][:, :-1] > 0).sum())
+    return int((rows["position_ids"][:, :-1].amax(-1) + 1).sum())
+
+
 def make_rows(samples: list[Encoded], length: int, pad_id: int, packing: bool) -> tuple[list[dict], dict]:
     """Pack (or pad) encoded samples into rows of ``length``; also the padding statistics."""
     groups: list[list[Encoded]] = []

@@ -10,6 +10,7 @@ means "no NPU".
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import random
@@ -17,7 +18,7 @@ import resource
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -102,6 +103,29 @@ class Accelerator:
         except (ValueError, OSError):
             return None
 
+    def memory_in_use(self) -> int:
+        """Bytes this process holds of what :meth:`limit_memory` limits: the device's allocator's reserve; on CPU the
+        data size (heap and private mappings, /proc/self/status VmData), which RLIMIT_DATA bounds."""
+        if self.module is not None:
+            return int(self.module.memory_reserved(self.index))
+        with open("/proc/self/status") as f:
+            data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+        return data - _free_heap_bytes()  # freed blocks still in the heap are free to reuse
+
+    def limit_memory(self, nbytes: int, since: int = 0) -> Callable[[], None]:
+        """Let this process hold at most ``nbytes`` more than ``since`` (a :meth:`memory_in_use` reading) from now
+        on, as a smaller device would: the caching allocator's per-process fraction on a GPU or NPU (allocations
+        past it raise its out-of-memory error), the data size limit (RLIMIT_DATA) on a CPU. Returns the undo."""
+        if self.module is not None:
+            fraction = min(1.0, (since + nbytes) / self.memory_capacity_bytes())
+            self.module.set_per_process_memory_fraction(fraction, self.index)
+            return lambda: self.module.set_per_process_memory_fraction(1.0, self.index)
+        _mmap_large_blocks()
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        limit = since + nbytes if hard == resource.RLIM_INFINITY else min(hard, since + nbytes)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+        return lambda: resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
     def name(self) -> str:
         if self.module is not None:
             return str(self.module.get_device_name(self.index))
@@ -128,6 +152,44 @@ class Accelerator:
         torch.set_rng_state(state["torch"])
         if self.module is not None and self.type in state:
             self.module.set_rng_state(state[self.type], self.index)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _free_heap_bytes() -> int:
+    """Bytes glibc's heap holds free (mallinfo2's fordblks); 0 where that cannot be read."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return 0
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
+
+
+def _mmap_large_blocks() -> None:
+    """glibc: blocks of 128 KiB and up in their own mappings, returned when freed (its threshold otherwise grows with
+    the blocks freed, and freed tensors then stay in the heap): the data size then follows the live tensors, as a
+    device allocator's limit does."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: the limit still holds, a little less tightly
 
 
 def seed_everything(seed: int) -> None:

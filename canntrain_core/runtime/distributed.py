@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from canntrain_core.recipe import DistributedConfig, Recipe, RecipeError
 from canntrain_core.sizing.layout import Layout
 from canntrain_core.runtime.accelerator import Accelerator
+from canntrain_core.runtime.watchdog import enable_flight_recorder
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ def init_distributed(acc: Accelerator, d: DistributedConfig, extra_ranks: int = 
             + ("" if extra_ranks else f", or --set distributed.world_size={world}")
         )
     if world > 1 and not dist.is_initialized() and _exchange is None:
+        enable_flight_recorder()  # a collective that times out is then named (runtime.watchdog)
         acc.set_device()
         timeout = timedelta(seconds=d.timeout_seconds)
         if extra_ranks:

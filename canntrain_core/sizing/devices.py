@@ -68,6 +68,14 @@ def parse_bytes(text: str | float | int) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+def bytes_text(n: float) -> str:
+    """A size as people read it: "13.45 GiB", "5.1 MiB", "4.0 KiB", "12 B" (binary units)."""
+    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f} B"
+
+
 def get_device(name: str) -> DeviceSpec:
     key = name.lower()
     if key not in DEVICES:

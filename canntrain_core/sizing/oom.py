@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from canntrain_core.sizing.estimator import GiB, estimate
+from canntrain_core.sizing.devices import bytes_text
+from canntrain_core.sizing.estimator import estimate
 from canntrain_core.sizing.layout import Layout, layout_problems
 from canntrain_core.sizing.setup import TrainSetup, setup_from_recipe
 from canntrain_core.sizing.shapes import ModelShape, shape_of
@@ -62,11 +63,11 @@ def oom_hint(recipe: Any, capacity_bytes: float, model: Any) -> str:
     setup = setup_from_recipe(recipe)
     est = estimate(shape, setup)
     lines = [
-        f"out of device memory: the estimate for this recipe is {est.total / GiB:.2f} GiB per device "
-        f"(peak in {est.phase}) against {capacity_bytes / GiB:.2f} GiB available"
+        f"out of device memory: the estimate for this recipe is {bytes_text(est.total)} per device "
+        f"(peak in {est.phase}) against {bytes_text(capacity_bytes)} available"
     ]
     top = sorted(est.categories.items(), key=lambda kv: -kv[1])[:3]
-    lines.append("largest parts: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in top))
+    lines.append("largest parts: " + ", ".join(f"{k} {bytes_text(v)}" for k, v in top))
     for change, cand in _candidates(setup, shape):
         if layout_problems(Layout.from_setup(cand), shape):
             continue  # never suggest what the trainer would refuse (e.g. offload without FSDP2)
@@ -75,7 +76,7 @@ def oom_hint(recipe: Any, capacity_bytes: float, model: Any) -> str:
         except ValueError:
             continue
         if e2.fits(capacity_bytes):
-            lines.append(f"try: --set {change}  (estimated {e2.total / GiB:.2f} GiB)")
+            lines.append(f"try: --set {change}  (estimated {bytes_text(e2.total)})")
             break
     else:
         lines.append("no single change fits; run `canntrain plan` for this model to see layouts that do")

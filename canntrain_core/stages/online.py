@@ -8,6 +8,8 @@ policy was trained on (a learned reward model's score, for PPO).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from canntrain_core.finetune.tasks import partial_score, score
@@ -79,13 +81,17 @@ class OnlineTrainer(Trainer):
     def log_record(self, raw: dict, last: bool) -> dict:
         """The iteration's metrics at ``logging.log_interval``s: every rank holds the same ``raw`` up to its own
         rollout, so scalar metrics are averaged over data-parallel ranks (``*/max`` and ``*/min`` are the
-        extremes over them)."""
-        return self._averaged(raw) if self.step % self.recipe.logging.log_interval == 0 or last else {}
+        extremes over them), with the engine's ``health`` (skipped steps, gradient norm spikes, ``time/*``)."""
+        return self._logged(raw) if self.step % self.recipe.logging.log_interval == 0 or last else {}
 
     def with_evaluation(self, record: dict, raw: dict) -> dict:
         """An evaluated step is logged with its metrics, whatever the log interval."""
         found = self.evaluate()
         return {**(record or (self._averaged(raw) if found else {})), **found}
+
+    def _logged(self, raw: dict) -> dict:
+        step_time = (time.perf_counter() - self.window[0]) / self.window[1]
+        return {**self._averaged(raw), **self.health(self.window[1], step_time)}
 
     def postfix(self, raw: dict, record: dict) -> dict:
         return {"score": f"{raw['true_score/mean']:.3f}"}

@@ -27,8 +27,9 @@ from canntrain_core.checkpoint.drift import check_resume
 from canntrain_core.checkpoint.export import BASE_FINGERPRINT, STAGE_FILE, check_base
 from canntrain_core.data import build_data, pretrained_tokenizer
 from canntrain_core.data.tokenizer import tokenizer_files
+from canntrain_core.finetune.data import real_tokens
 from canntrain_core.finetune.evaluate import exact_match
-from canntrain_core.errors import BadInput, NonFinite, OutOfMemory, RecipeError
+from canntrain_core.errors import BadInput, CollectiveFailed, NonFinite, OutOfMemory, RecipeError
 from canntrain_core.models.fused import check_kernels_fit
 from canntrain_core.models.hf import base_fingerprint
 from canntrain_core.models.lifecycle import build_training_model
@@ -45,6 +46,7 @@ from canntrain_core.runtime.distributed import (
     init_distributed,
     rank,
 )
+from canntrain_core.runtime.watchdog import Whereabouts, describe_failure, is_collective_failure
 from canntrain_core.sizing.layout import Layout, check_layout
 from canntrain_core.sizing.oom import oom_hint
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
@@ -58,8 +60,10 @@ class RunDirError(BadInput):
 
 
 def _is_oom(e: BaseException) -> bool:
-    # CUDA raises torch.OutOfMemoryError; torch_npu a RuntimeError saying "NPU out of memory".
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    # CUDA raises torch.OutOfMemoryError; torch_npu a RuntimeError saying "NPU out of memory"; the CPU allocator
+    # "can't allocate memory" (and Python a MemoryError) past a data size limit (distributed.memory_budget_gb).
+    text = str(e).lower()
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text or "allocate memory" in text
 
 
 @dataclass
@@ -134,6 +138,7 @@ class Trainer:
         check_kernels_fit(config, m)
         init_distributed(self.acc, d, self.extra_ranks(r))
         self.rank = rank()
+        self.where = Whereabouts()  # this rank's step and phase, for a collective that never finishes
         self.dims = ParallelDims.from_recipe(r)
         self.mesh = self.dims.build_mesh(self.acc.type)
         self.run_dir = Path(from_rank0(str(run_dir or default_run_dir(r))))
@@ -160,6 +165,8 @@ class Trainer:
             r.optim.max_steps = steps
         if not m.init_from:  # the trained tokenizer's EOS, for generate() and an exported model
             config.bos_token_id, config.eos_token_id = None, self.data.eos_id
+        self.memory_baseline = self.acc.memory_in_use()  # distributed.memory_budget_gb counts from here
+        self.undo_budget = None
         built = self.build_model(config, fill=resume_path is None)
         self.model, self.schedule = built.model, built.schedule
         self.aux_loss: torch.Tensor | None = None  # a mixture of experts' load-balancing loss over the last step
@@ -169,6 +176,7 @@ class Trainer:
         self.skipped_steps = 0  # steps whose gradient norm was NaN or inf (optim.nonfinite: skip)
         self.grad_norms: deque[float] = deque(maxlen=20)  # the last steps' gradient norms: a spike's yardstick
         self.spikes = 0  # gradient norm spikes since the last log
+        self.real_tokens = 0  # instruction rows: this rank's input tokens that were not padding, since the last log
         self.advised: set[str] = set()  # what the breakdown's advice has said already
         # an adapted model (LoRA) checkpoints its adapters only; they name the base they adapt
         self.adapters_only = has_adapters(self.model)
@@ -201,7 +209,7 @@ class Trainer:
         # Loss scaling only for fp16; bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(self.acc.type, enabled=m.precision == "fp16")
         self.step = 0
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=r.logging.tensorboard)
 
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -311,11 +319,14 @@ class Trainer:
         trace = TraceWindow(r.logging.profile, self.run_dir / "profile", self.acc, self.rank)
         self.acc.reset_peak_memory()
         self.window = [time.perf_counter(), 0]  # throughput: the start and steps of the interval being timed
+        self._limit_memory()
         try:
             while self.step < r.optim.max_steps:
                 trace.before(self.step + 1)
+                self.where.post(self.step + 1, "data")
                 with self.timer("data"):
                     batch = next(batches)
+                self.where.post(self.step + 1, "compute")
                 raw = self.train_iteration(batch)
                 trace.after(self.step + 1)
                 self.scheduler.step()
@@ -323,7 +334,7 @@ class Trainer:
                 self.window[1] += 1
                 bar.update(1)
                 last = self.step == r.optim.max_steps
-                record = self.log_record(raw, last)
+                record = logged = self.log_record(raw, last)
                 if self.step % r.logging.eval_interval == 0 or last:
                     with self.paused():
                         record = self.with_evaluation(record, raw)
@@ -336,9 +347,16 @@ class Trainer:
                         self.save()
                 if self.step == stop_after:
                     break
-                if record:  # the next interval's clock starts
+                if logged:  # the next interval's clock (and breakdown) starts; an evaluation alone does not end one
                     self.window = [time.perf_counter(), 0]
+        except RuntimeError as e:
+            if not is_collective_failure(e):
+                raise
+            raise CollectiveFailed(
+                f"{describe_failure(e, self.where, r.distributed.timeout_seconds)}. {self._last_checkpoint()}"
+            ) from e
         finally:
+            self._release_memory()
             trace.close()
             self.close()
             bar.close()
@@ -375,11 +393,12 @@ class Trainer:
         self.model.train()
         try:
             loss = self.train_step(micro_batches)
-        except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
+            grad_norm = self.optimizer_step()  # the first step allocates the optimizer's states
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             if not _is_oom(e):
                 raise
             raise self._out_of_memory(e) from e
-        return {"loss": loss, "grad_norm": self.optimizer_step(), "lr": lr}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
 
     def optimizer_step(self) -> torch.Tensor:
         """Unscale (fp16), clip and step, the optimizer of every stage; returns the gradient norm (over all ranks).
@@ -406,11 +425,15 @@ class Trainer:
                 print(f"step {step}: gradient norm {norm}: update skipped (optim.nonfinite: skip)", file=sys.stderr)
             return
         done = checkpoint.list_checkpoints(self.ckpt_root)
-        last = f"the last complete checkpoint is {done[-1]}" if done else "no checkpoint was written yet"
+        then = "resume from it (--resume-from auto)" if done else "start again"
         raise NonFinite(
-            f"step {step}: the gradient norm is {norm} (a NaN or inf loss or gradient); {last}. Resume from it "
-            "(--resume-from auto) with a lower optim.lr or a tighter optim.grad_clip, or set optim.nonfinite=skip"
+            f"step {step}: the gradient norm is {norm} (a NaN or inf loss or gradient). {self._last_checkpoint()} "
+            f"Lower optim.lr or tighten optim.grad_clip and {then}, or set optim.nonfinite=skip"
         )
+
+    def _last_checkpoint(self) -> str:
+        done = checkpoint.list_checkpoints(self.ckpt_root)
+        return f"The last complete checkpoint is {done[-1]}." if done else "No checkpoint was written yet."
 
     def _watch_spikes(self, norm: float) -> None:
         factor = self.recipe.logging.grad_spike_factor
@@ -450,8 +473,13 @@ class Trainer:
             record["aux_loss"] = self._mean_over_ranks(self.aux_loss)
             record.update(self._expert_balance())
         record.update(self.health(self.window[1], record["step_time"]))
-        if "padding_fraction" in self.data.info:  # instruction rows: tokens that are not padding
-            record["real_tokens_per_second"] = record["tokens_per_second"] * (1 - self.data.info["padding_fraction"])
+        if "padding_fraction" in self.data.info:  # instruction rows: the interval's tokens that were not padding
+            real = (
+                self._sum_over_dp(torch.tensor(float(self.real_tokens), device=self.acc.device), everywhere=True)
+                / self.dims.dp
+            )
+            record["real_tokens_per_second"] = real / self.dims.non_data_parallel / (dt * self.window[1])
+            self.real_tokens = 0
         return record
 
     def health(self, steps: int, step_time: float) -> dict[str, Any]:
@@ -487,6 +515,7 @@ class Trainer:
         (zero on pipeline stages without the head)."""
         acc, precision = self.acc, self.recipe.model.precision
         parts = [self._model_args(b) for b in micro_batches]
+        self.real_tokens += sum(real_tokens(b) for b in micro_batches if isinstance(b, dict))
         weights = self._token_weights([t for _, t, _ in parts])
         if self.schedule is not None:
             x, t = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # the schedule re-splits
@@ -556,8 +585,20 @@ class Trainer:
         run(*args, **kwargs)
         return torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.acc.device)
 
+    def _limit_memory(self) -> None:
+        budget = self.recipe.distributed.memory_budget_gb
+        if budget and self.undo_budget is None:
+            self.undo_budget = self.acc.limit_memory(int(budget * 2**30), since=self.memory_baseline)
+
+    def _release_memory(self) -> None:
+        if self.undo_budget is not None:
+            self.undo_budget()
+            self.undo_budget = None
+
     def _out_of_memory(self, error: BaseException) -> OutOfMemory:
-        capacity = self.acc.memory_capacity_bytes() or 0
+        self._release_memory()  # the diagnosis needs a little memory itself
+        budget = self.recipe.distributed.memory_budget_gb
+        capacity = budget * 2**30 if budget else self.acc.memory_capacity_bytes() or 0
         last = checkpoint.latest_checkpoint(self.ckpt_root)
         where = f"the last checkpoint, {last}, is intact" if last else "no checkpoint was written yet"
         hint = oom_hint(self.recipe, capacity, self.model_config)

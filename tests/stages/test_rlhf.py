@@ -20,6 +20,7 @@ from canntrain_core.models.rollout import generate, layout, token_logprobs
 from canntrain_core.recipe import load_recipe
 from canntrain_core.jobs.alignment_start import tiny_start, trained
 from canntrain_core.stages import make_trainer
+from canntrain_core.stages.grpo import GRPOTrainer
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.trainer import runs_root
 from conftest import CONFIGS, TINY
@@ -173,6 +174,38 @@ def test_grpo_and_ppo_raise_the_true_score(stage, start):
     scores = [r["true_score/mean"] for r in read_metrics(run) if "true_score/mean" in r]
     assert len(scores) == ONLINE_STEPS[stage]
     assert _mean(scores[-6:]) >= _mean(scores[:6]) + 0.04, (_mean(scores[:6]), _mean(scores[-6:]))
+
+
+def test_grpo_skips_a_nan_update_and_logs_the_engines_health(start, tmp_path, data_cache):
+    """The online stages share the engine's optimizer step and its health: a NaN gradient in iteration 2's
+    first update is skipped (optim.nonfinite: skip) and counted in every later row, with the step breakdown."""
+
+    class NaNAtIteration2(GRPOTrainer):
+        def optimizer_step(self):
+            if self.step + 1 == 2 and not self.skipped_steps:
+                next(p for p in self.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+            return super().optimizer_step()
+
+    recipe = load_recipe(
+        CONFIGS / "tiny_grpo.yaml",
+        {
+            "model.init_from": str(start.sft_hf),
+            "data.source": str(start.prompts),
+            "data.cache_dir": data_cache,
+            "data.batch_size": 4,
+            "data.val_fraction": 0.0,
+            "optim.max_steps": 3,
+            "optim.nonfinite": "skip",
+            "logging.profile.enabled": True,
+            "rlhf.ppo_epochs": 1,
+            "rlhf.mini_batch_size": 8,
+        },
+    )
+    NaNAtIteration2(recipe, run_dir=tmp_path, progress=False).fit()
+    rows = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
+    assert [r.get("skipped_steps", 0) for r in rows] == [0, 1, 1]
+    assert all(r["time/optimizer"] > 0 for r in rows)
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in rows)
 
 
 def test_dpo_moves_the_held_out_margins(start, tmp_path, data_cache):

@@ -18,9 +18,9 @@ from tokenizers import pre_tokenizers, trainers
 from canntrain_core.checkpoint.export import export_hf
 from canntrain_core.data.tokenizer import new_byte_level_bpe
 from canntrain_core.errors import BadInput
-from canntrain_core.finetune.data import build_sft_data, write_jsonl
+from canntrain_core.finetune.data import build_sft_data, make_rows, real_tokens, write_jsonl
 from canntrain_core.finetune.evaluate import exact_match
-from canntrain_core.finetune.format import ChatFormat
+from canntrain_core.finetune.format import ChatFormat, Encoded
 from canntrain_core.finetune.records import Conversation, parse_record
 from canntrain_core.finetune.tasks import task_records
 from canntrain_core.jobs.generate import load_generator
@@ -28,6 +28,7 @@ from canntrain_core.jobs.layouts import launch_layouts, run_layouts
 from canntrain_core.recipe import TemplateConfig, load_recipe
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.stages import make_trainer
+from canntrain_core.stages.sft import SFTTrainer
 from conftest import SFT, TINY, task_data
 
 EOS = "<|endoftext|>"
@@ -127,6 +128,47 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(tmp_path, data_cache
             )
             want = model(ref_row["input_ids"][None, :-1], ref_row["labels"][None, 1:])
             assert abs(got.item() - want.item()) < 1e-5, k  # fp32; measured ~1e-7
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_real_tokens_count_the_inputs_that_are_not_padding(packing):
+    """Samples of 5, 3 and 10 tokens in rows of 10 (9 inputs, then the last target). By hand: packed, a row of 5 + 3
+    (8 real inputs) and one of 10 (9); padded, rows of 5, 3 and 10 (5, 3, 9): 17 either way."""
+    samples = [Encoded(list(range(1, n + 1)), [True] * n, 1) for n in (5, 3, 10)]
+    rows, _ = make_rows(samples, 10, 0, packing)
+    assert len(rows) == (2 if packing else 3)
+    assert real_tokens({k: torch.stack([r[k] for r in rows]) for k in rows[0]}) == 17
+
+
+def test_real_tokens_per_second_is_the_intervals_share_of_real_tokens(tmp_path, data_cache):
+    """real_tokens_per_second / tokens_per_second over each logged interval is the share of that interval's input
+    tokens that were not padding (the rows the steps trained on), not the data set's average."""
+    served = []
+
+    class Counted(SFTTrainer):
+        def train_step(self, micro_batches):
+            served.append(sum(real_tokens(b) for b in micro_batches))
+            return super().train_step(micro_batches)
+
+    recipe = load_recipe(
+        TINY,
+        {
+            **SFT,
+            "data.source": str(task_data(tmp_path)),
+            "data.cache_dir": data_cache,
+            "data.packing": False,
+            "data.batch_size": 8,
+            "optim.max_steps": 6,
+            "logging.log_interval": 3,
+            "logging.eval_interval": 100,
+        },
+    )
+    Counted(recipe, run_dir=tmp_path / "run", progress=False).fit()
+    rows = [r for r in read_metrics(tmp_path / "run") if "real_tokens_per_second" in r]
+    per_interval = 3 * 8 * 32
+    for r, real in zip(rows, (sum(served[:3]), sum(served[3:]))):
+        assert r["real_tokens_per_second"] / r["tokens_per_second"] == pytest.approx(real / per_interval, rel=1e-9)
+    assert len(rows) == 2 and sum(served[:3]) != sum(served[3:])  # two intervals, two different shares
 
 
 def test_sft_on_the_verifiable_task_raises_held_out_exact_match(sft_run):

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +22,7 @@ from canntrain_core.runtime.accelerator import Accelerator
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.progress import LogLines, progress_bar
 from canntrain_core.train.trainer import Trainer
+from conftest import FAST, TINY
 
 
 def rows(run_dir):
@@ -26,7 +33,7 @@ def test_the_breakdown_adds_up_to_the_step_and_costs_no_synchronisation_when_off
     calls = []
     synchronize = Accelerator.synchronize
     monkeypatch.setattr(Accelerator, "synchronize", lambda self: calls.append(1) or synchronize(self))
-    steps = {"optim.max_steps": 8, "logging.log_interval": 4, "logging.eval_interval": 100}
+    steps = {"optim.max_steps": 8, "logging.log_interval": 4, "logging.eval_interval": 6}  # 6: inside an interval
     Trainer(fast_recipe(**steps), run_dir=tmp_path / "off", progress=False).fit()
     off = len(calls)
     assert off == 2  # one per logged row (the throughput's clock), nothing per step
@@ -59,7 +66,8 @@ class NaNAtStep3(Trainer):
 
 def test_a_nan_step_stops_the_run_naming_the_last_checkpoint(tmp_path, fast_recipe):
     recipe = fast_recipe(**{"optim.max_steps": 6, "logging.ckpt_interval": 2, "logging.log_interval": 1})
-    with pytest.raises(NonFinite, match=r"step 3: the gradient norm is nan .*/checkpoints/step_2\. Resume"):
+    said = r"step 3: the gradient norm is nan .*/step_2\. Lower optim\.lr .*and resume from it"
+    with pytest.raises(NonFinite, match=said):
         NaNAtStep3(recipe, run_dir=tmp_path, progress=False).fit()
     assert [r["step"] for r in rows(tmp_path)] == [1, 2]  # what was written stays
 
@@ -71,6 +79,26 @@ def test_a_nan_step_is_skipped_and_counted_when_the_recipe_says_so(tmp_path, fas
     assert [r.get("skipped_steps", 0) for r in rows(tmp_path)] == [0, 0, 1, 1, 1]
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())  # the NaN never reached a weight
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows(tmp_path))
+
+
+def test_a_memory_budget_ends_the_run_with_the_out_of_memory_diagnosis(tmp_path, data_cache):
+    """distributed.memory_budget_gb rehearses a smaller device: 5 MiB beyond what a fresh `canntrain train` held
+    before its model was built (on a CPU, the process's data size limit; a process that ran before holds freed heap
+    it may reuse, hence a new one here) is less than the tiny model's estimated 20 MiB, so step 1 fails as an
+    out-of-memory would on a device: exit code 3, the estimate against the budget, the cheapest change."""
+    sets = {**FAST, "data.cache_dir": data_cache, "distributed.memory_budget_gb": 5 / 1024}
+    r = subprocess.run(
+        [sys.executable, "-m", "canntrain_core.cli", "train", str(TINY), "--run-dir", str(tmp_path), "--no-progress"]
+        + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=120,
+    )
+    assert r.returncode == 3, r.stderr[-2000:]
+    said = r"(?s)canntrain train: step 1: .*allocate memory.*per device .* against 5\.0 MiB available"
+    assert re.search(said, r.stderr)
+    assert "no checkpoint was written yet" in r.stderr
 
 
 def test_a_gradient_norm_spike_is_reported(tmp_path, fast_recipe, capsys):
@@ -121,3 +149,25 @@ def test_canntrain_plot_overlays_the_runs_curves(tmp_path):
 
     fig = curves_figure([tmp_path / "a", tmp_path / "b"], ["loss", "lr"])
     assert [len(ax.lines) for ax in fig.axes] == [2, 2]
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_named_with_the_collective_and_the_step(tmp_path, data_cache):
+    """Rank 1 waits 60 s for step 3's batch; rank 0's collective gives up after distributed.timeout_seconds=5 and
+    says which collective, over which group, where each rank was, and the checkpoint to resume from."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    started = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        + [str(Path(__file__).parents[1] / "_hang_rank.py"), str(tmp_path / "run"), data_cache],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert r.returncode != 0 and time.monotonic() - started < 55, r.stderr[-3000:]  # not the 60 s sleep
+    line = next(x for x in r.stderr.splitlines() if x.startswith("canntrain train: rank 0:"))
+    assert "did not finish within distributed.timeout_seconds=5 in step 3 (compute), after step 2 completed" in line
+    assert "gloo:" in line and "ranks [0, 1]" in line  # the collective and its group, from the flight recorder
+    assert "Not there yet: rank 1 at step 3 (data)" in line
+    assert line.endswith(f"The last complete checkpoint is {tmp_path / 'run' / 'checkpoints' / 'step_2'}.")
