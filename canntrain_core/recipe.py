@@ -407,6 +407,11 @@ class Recipe(_Section):
         from canntrain_core.sizing.layout import Layout, layout_problems
 
         problems = layout_problems(Layout.from_recipe(self))  # what needs no model; the trainer checks the rest
+        if self.distributed.context_parallel_size > 1 and self.train_mode not in ("pretrain", "sft"):
+            problems.append(
+                f"distributed.context_parallel_size > 1 splits the rows of pretraining and SFT; train_mode "
+                f"{self.train_mode} does not split its sequences yet"
+            )
         if problems:
             raise ValueError("invalid parallel layout: " + "; ".join(problems))
         return self

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from canntrain_core.parallel import context
 from canntrain_core.parallel.context import allgather_attention, gather_sequence, ring_attention, split
 
 BATCH, HEADS, HEAD_DIM = 2, 4, 8
@@ -65,6 +66,8 @@ def main(out: str) -> None:
         results[f"{name}_mha_scale"] = case(attention, 2 * cp * 3, HEADS, torch.float64, scale=0.3)
         results[f"{name}_documents"] = case(attention, 2 * cp * 4, 2, torch.float64, documents=4)
         results[f"{name}_fp32"] = case(attention, 2 * cp * 4, 2, torch.float32)
+    context.RING_QUERY_TILE = 3  # the ring's blocks in tiles of 3 query rows (1024 in use): the same attention
+    results["ring_tiled_documents"] = case(ring_attention, 2 * cp * 4, 2, torch.float64, documents=4)
     torch.save(results, Path(out) / f"rank{dist.get_rank()}.pt")
     dist.barrier()  # no rank tears gloo down while another is still in its last exchange
     dist.destroy_process_group()

@@ -15,6 +15,7 @@ left, never the final answer; ``drop``); one that still does not fit is a bad re
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import time
@@ -79,16 +80,25 @@ def real_tokens(rows: dict[str, torch.Tensor]) -> int:
 
 
 def make_rows(samples: list[Encoded], length: int, pad_id: int, packing: bool) -> tuple[list[dict], dict]:
-    """Pack (or pad) encoded samples into rows of ``length``; also the padding statistics."""
-    groups: list[list[Encoded]] = []
-    used = 0
-    for e in samples:
-        if packing and groups and used + len(e.ids) <= length:
-            groups[-1].append(e)
-            used += len(e.ids)
-        else:
-            groups.append([e])
-            used = len(e.ids)
+    """Pack (or pad) encoded samples into rows of ``length``; also the padding statistics.
+
+    Packing is best-fit decreasing (TRL's ``packing_strategy="bfd"``): longest samples first, each into the row it
+    fills most tightly, a new row when none has room. The rows keep the samples whole; the sampler shuffles the
+    rows."""
+    if not packing:
+        groups = [[e] for e in samples]
+    else:
+        groups = []
+        free: list[tuple[int, int]] = []  # (room left, row index), sorted: the tightest fit is the first with room
+        for e in sorted(samples, key=lambda e: -len(e.ids)):
+            at = bisect.bisect_left(free, (len(e.ids), -1))
+            if at == len(free):
+                groups.append([e])
+                bisect.insort(free, (length - len(e.ids), len(groups) - 1))
+            else:
+                room, row = free.pop(at)
+                groups[row].append(e)
+                bisect.insort(free, (room - len(e.ids), row))
     rows = []
     real = 0
     for group in groups:

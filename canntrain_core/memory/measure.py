@@ -91,6 +91,7 @@ def recipe_for(shape: ModelShape, s: TrainSetup):
             "distributed.world_size": s.world_size,
             "distributed.tensor_parallel_size": s.tp,
             "distributed.data_parallel_size": s.dp,
+            "distributed.context_parallel_size": s.cp,
             "distributed.zero_optimization": s.zero,
             "distributed.sequence_parallel": s.tp > 1 and s.sequence_parallel,
             "distributed.vocab_parallel": s.vocab_parallel,
@@ -103,8 +104,8 @@ def _check_supported(shape: ModelShape, s: TrainSetup) -> None:
     if shape.kind == "moe" and not s.fsdp_mixed_precision:
         # transformers' experts run torch's grouped_mm, whose fake-tensor kernel accepts bf16 operands only
         problems.append("a mixture of experts without 16-bit weights (measure it under FSDP2, zero=3, bf16)")
-    if s.pp > 1 or s.cp > 1 or s.ep > 1:
-        problems.append("pipeline/context/expert parallel (pp, cp, ep must be 1)")
+    if s.pp > 1 or s.ep > 1:
+        problems.append("pipeline/expert parallel (pp, ep must be 1)")
     if s.weights != "amp" or s.lora is not None or s.offload_optimizer:
         problems.append("half weights, LoRA and offload")
     if s.dp > 1 and s.zero == 0:
@@ -117,8 +118,8 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
     """Run ``steps`` training steps (after an untracked one) of the model of ``shape`` under FakeTensorMode;
     report their peak.
 
-    Covers tp (without sequence parallel), FSDP2 (zero=3) over dp, full recompute, fp32/bf16/fp16
-    autocast, and gradient accumulation. Raises NotImplementedError for what it does not cover.
+    Covers tp (without sequence parallel), FSDP2 (zero=3) over dp (x cp), context parallel, full recompute,
+    fp32/bf16/fp16 autocast, and gradient accumulation. Raises NotImplementedError for what it does not cover.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -146,6 +147,10 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
             tie_head(model, model.config)  # as the trainer does: a tied head is the embedding
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
             ids = torch.randint(0, shape.vocab_size, (s.micro_batch, s.seq_length))
+            args, kwargs = (ids, ids), {}
+            if model.context_parallel is not None:  # this rank's slices: ring attention's sends go to the fake group
+                x, t, pos, _ = model.context_parallel.split_batch(ids, ids)
+                args, kwargs = (x, t), {"position_ids": pos, "context_parallel": True}
             amp = (
                 torch.autocast("cpu", dtype=_DTYPE[s.precision]) if s.precision != "fp32" else contextlib.nullcontext()
             )
@@ -154,7 +159,7 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
                 for k in range(s.grad_accum):
                     sync_gradients(model, s.zero, last=k == s.grad_accum - 1)  # as the trainer does
                     with amp:
-                        loss = model(ids, ids)
+                        loss = model(*args, **kwargs)
                     loss.backward()
                     if tracker:
                         tracker.reset_mod_stats()  # the tracker's module stats cover one pass

@@ -42,6 +42,7 @@ class CausalLM(nn.Module):
         self.expert_tokens: torch.Tensor | None = None  # and its [layers, experts] routed token counts
         self.dropped_tokens: torch.Tensor | None = None  # and per layer the assignments over capacity
         self.capacity_factor: float | None = None  # the experts' (set by parallel.expert.route_experts)
+        self.context_parallel = None  # a parallel.context.ContextParallel (set by apply_context_parallel)
 
     def layers(self):
         layers = self.model.layers
@@ -55,6 +56,7 @@ class CausalLM(nn.Module):
         segment_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache=None,
+        context_parallel: bool = False,
     ) -> torch.Tensor:
         """Token ids (or, on a later pipeline stage, hidden states) in; loss, logits or hidden states out.
 
@@ -62,7 +64,9 @@ class CausalLM(nn.Module):
         targets. Without: logits, or hidden states when this module is a pipeline stage without the
         head. ``position_ids`` / ``segment_ids``: packed instruction rows (positions restart per sample,
         attention stays within a sample). ``attention_mask`` ([B, 1, q, k] bool) with ``cache`` (transformers'
-        ``DynamicCache``): incremental decoding of left-padded prompts (``models.rollout``).
+        ``DynamicCache``): incremental decoding of left-padded prompts (``models.rollout``). ``context_parallel``:
+        the inputs (and ``position_ids``, ``segment_ids``) are this rank's slices of the rows
+        (``ContextParallel.split_batch``); attention runs over the cp group.
         """
         m = self.model
         if self.routers is not None:  # what an earlier pass (evaluation, recompute in backward) recorded
@@ -71,6 +75,10 @@ class CausalLM(nn.Module):
         # the embedding's output is only this rank's slice of it).
         positions = position_ids if position_ids is not None else torch.arange(x.shape[1], device=x.device)[None]
         mask = attention_mask  # None: SDPA applies the causal mask itself
+        cp = self.context_parallel
+        if cp is not None:  # ring attention masks by global position and segment itself
+            cp.active, cp.segment_ids = context_parallel, segment_ids if context_parallel else None
+            segment_ids = None if context_parallel else segment_ids
         if segment_ids is not None:  # block-diagonal causal: a token sees earlier tokens of its own sample
             same = segment_ids[:, :, None] == segment_ids[:, None, :]
             mask = (same & torch.ones_like(same[0], dtype=torch.bool).tril())[:, None]

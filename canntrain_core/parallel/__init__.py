@@ -1,6 +1,7 @@
 """parallelize: apply a recipe's layout to a CausalLM in torchtitan's order.
 
-PP split -> tensor parallel -> expert parallel -> activation recompute -> torch.compile -> FSDP2 / DDP.
+PP split -> tensor parallel -> expert parallel -> context parallel -> activation recompute -> torch.compile ->
+FSDP2 / DDP.
 Returns the pipeline schedule when pipeline parallel is on, else None.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from canntrain_core.parallel.context import apply_context_parallel
 from canntrain_core.parallel.data_parallel import apply_ddp, apply_fsdp
 from canntrain_core.parallel.expert import route_experts
 from canntrain_core.parallel.pp import build_schedule, split_stage
@@ -25,11 +27,13 @@ def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool
         apply_tp(model, mesh["tp"], recipe.distributed.sequence_parallel, recipe.distributed.vocab_parallel)
     if dims.ep > 1 or recipe.model.expert_capacity_factor is not None:
         route_experts(model, mesh["ep"] if dims.ep > 1 else None, recipe.model.expert_capacity_factor)
+    if dims.cp > 1:
+        apply_context_parallel(model, mesh["cp"].get_group())
     apply_recompute(model, recipe.model.activation_checkpointing)
     if recipe.model.compile:
         for layer in model.layers():
             layer.compile()
-    if dims.dp_shard > 1:
+    if dims.fsdp_ranks > 1:
         apply_fsdp(
             model,
             dims.shard_mesh(mesh),

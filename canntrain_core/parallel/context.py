@@ -53,6 +53,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from canntrain_core.errors import RecipeError
+from canntrain_core.families.family import layer_windows
+from canntrain_core.sizing.activations import RING_QUERY_TILE
 
 
 # ---------------------------------------------------------------------------------------------- the layout
@@ -134,8 +141,23 @@ def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor 
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
+def _tiles(rows: int) -> list[slice]:
+    """A block's query rows in tiles of RING_QUERY_TILE: each row's attention is its own, so tiling is exact, and
+    the fp32 score matrices stay (tile x keys) whatever the sequence length."""
+    return [slice(i, min(i + RING_QUERY_TILE, rows)) for i in range(0, rows, RING_QUERY_TILE)]
+
+
+def _rows(mask: torch.Tensor | None, t: slice) -> torch.Tensor | None:
+    return None if mask is None else mask[..., t, :]
+
+
 def _block_forward(q5, k, v, scale, mask):
     """A block's softmax(q k^T) v and its log-sum-exp; rows that see no key give output 0 and LSE -inf."""
+    parts = [_tile_forward(q5[..., t, :], k, v, scale, _rows(mask, t)) for t in _tiles(q5.shape[-2])]
+    return torch.cat([o for o, _ in parts], dim=-2), torch.cat([lse for _, lse in parts], dim=-1)
+
+
+def _tile_forward(q5, k, v, scale, mask):
     s = _scores(q5, k, scale, mask)
     top = s.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)  # a fully masked row: exp(-inf) = 0 below, not nan
@@ -146,11 +168,16 @@ def _block_forward(q5, k, v, scale, mask):
 
 
 def _block_backward(q5, k, v, dout5, lse, delta, scale, mask):
-    """Gradients of one block given the final LSE and delta = rowsum(dout * out) (flash attention's backward)."""
-    p = torch.exp(_scores(q5, k, scale, mask) - lse.unsqueeze(-1))
-    dv = (p.transpose(-1, -2) @ dout5).sum(dim=2)
-    ds = p * (dout5 @ v.unsqueeze(2).transpose(-1, -2) - delta.unsqueeze(-1)) * scale
-    return ds @ k.unsqueeze(2), (ds.transpose(-1, -2) @ q5).sum(dim=2), dv
+    """Gradients of one block given the final LSE and delta = rowsum(dout * out) (flash attention's backward),
+    tile by tile: dq per tile, dk and dv summed over the tiles."""
+    dqs, dk, dv = [], 0, 0
+    for t in _tiles(q5.shape[-2]):
+        p = torch.exp(_scores(q5[..., t, :], k, scale, _rows(mask, t)) - lse[..., t].unsqueeze(-1))
+        dv = dv + (p.transpose(-1, -2) @ dout5[..., t, :]).sum(dim=2)
+        ds = p * (dout5[..., t, :] @ v.unsqueeze(2).transpose(-1, -2) - delta[..., t].unsqueeze(-1)) * scale
+        dqs.append(ds @ k.unsqueeze(2))
+        dk = dk + (ds.transpose(-1, -2) @ q5[..., t, :]).sum(dim=2)
+    return torch.cat(dqs, dim=-2), dk, dv
 
 
 def _merge(out, lse, rows, block_out, block_lse) -> None:
@@ -182,6 +209,26 @@ def _plan(rank: int, src: int, c: int) -> tuple[slice, slice, bool]:
     if src < rank:
         return slice(None), slice(0, c), False
     return slice(c, None), slice(None), False
+
+
+def ring_steps(cp: int) -> list[list[str]]:
+    """What each rank computes at each ring step, in words (``[step][rank]``): whose K/V it holds and which of its
+    query chunks see which of that rank's key chunks. Every rank does the same work at every step."""
+    steps = []
+    for step in range(cp):
+        row = []
+        for rank in range(cp):
+            src = (rank - step) % cp
+            head, tail = chunks_of(rank, cp)
+            s_head, s_tail = chunks_of(src, cp)
+            if src == rank:
+                row.append(f"own K/V: chunks {head},{tail} x {s_head},{s_tail} causal")
+            elif src < rank:
+                row.append(f"rank {src}'s K/V: chunks {head},{tail} x {s_head}")
+            else:
+                row.append(f"rank {src}'s K/V: chunk {tail} x {s_head},{s_tail}")
+        steps.append(row)
+    return steps
 
 
 def _mask(rows, cols, causal, pos, seg_q, seg_k):
@@ -319,3 +366,71 @@ def allgather_attention(
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=_scale(q, scale), enable_gqa=k.shape[1] != q.shape[1]
     )
+
+
+# ------------------------------------------------------------------------------------------ in the model
+ATTENTION_NAME = "canntrain_context_parallel"  # transformers' attention interface key
+
+
+class ContextParallel:
+    """A model's context parallelism: its cp group, and for the forward under way whether its inputs are this
+    rank's slices (``active``, set by ``CausalLM.forward``) and their ``segment_ids``. Inactive (generation,
+    which runs every rank on whole sequences), attention is the model's own."""
+
+    def __init__(self, group, fallback: str):
+        self.group, self.fallback = group, fallback
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.active = False
+        self.segment_ids: torch.Tensor | None = None
+
+    def split_batch(self, x, targets, position_ids=None, segment_ids=None) -> tuple:
+        """This rank's slices of whole rows (targets shifted already, so a chunk's last target is the next
+        chunk's first input) and the global positions RoPE needs (a packed row's own positions, split)."""
+        n, r = self.size, self.rank
+        pos = split(position_ids, n, r, 1) if position_ids is not None else positions(x.shape[1], n, r, x.device)[None]
+        segs = split(segment_ids, n, r, 1) if segment_ids is not None else None
+        return split(x, n, r, 1), split(targets, n, r, 1), pos, segs
+
+    def attention(self, q, k, v, scale) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group, scale=scale, segment_ids=self.segment_ids)
+
+    def kernel_attention(self, own):
+        """The kernel registry's attention op (``models.fused``), ring attention while active."""
+
+        def attention(q, k, v, causal=True, window=None, scale=None):
+            return (
+                self.attention(q, k, v, scale)
+                if self.active
+                else own(q, k, v, causal=causal, window=window, scale=scale)
+            )
+
+        return attention
+
+
+def _transformers_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention interface: ring attention while the model's ContextParallel is active."""
+    cp: ContextParallel = module.context_parallel
+    if not cp.active:
+        own = ALL_ATTENTION_FUNCTIONS.get_interface(cp.fallback, eager_attention_forward)
+        return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return cp.attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
+
+
+def apply_context_parallel(model, group) -> ContextParallel:
+    """Route every attention of ``model`` (a CausalLM) through ring attention over ``group``: transformers'
+    attention interface, or the kernel registry's attention op where ``model.kernels`` replaced the modules."""
+    if any(w is not None for w in layer_windows(model.config)):
+        raise RecipeError(
+            "distributed.context_parallel_size > 1 with a sliding-window attention (the model's sliding_window) is "
+            "not built yet: ring attention masks by global position only"
+        )
+    AttentionInterface.register(ATTENTION_NAME, _transformers_attention)
+    cp = ContextParallel(group, model.config._attn_implementation)
+    for layer in model.layers():
+        attn = layer.self_attn
+        attn.context_parallel = cp
+        if hasattr(attn, "_attention"):  # models.fused.FusedAttention
+            attn._attention = cp.kernel_attention(attn._attention)
+    model.config._attn_implementation = ATTENTION_NAME
+    model.context_parallel = cp
+    return cp

@@ -86,12 +86,22 @@ class ParallelDims:
         names, sizes = zip(*named)
         return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
 
+    @property
+    def fsdp_ranks(self) -> int:
+        """Ranks FSDP2 shards the model over: dp_shard, times cp (context-parallel ranks train parts of the same
+        rows, so their gradients are averaged together: torchtitan's dp_shard_cp)."""
+        return self.dp_shard * self.cp
+
     def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP2 shards over: dp_shard (dp_replicate x dp_shard for HSDP); under EP, dp_shard_mod_ep x
-        ep flattened (made once, then cached by the root mesh)."""
+        ep flattened; under CP, dp_shard x cp flattened (made once, then cached by the root mesh)."""
+        names = mesh.mesh_dim_names
         if self.ep > 1:
             return mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-        return mesh[tuple(n for n in ("dp_replicate", "dp_shard") if n in mesh.mesh_dim_names)]
+        if self.cp > 1:
+            inner = tuple(n for n in ("dp_shard", "cp") if n in names)
+            return mesh[inner]._flatten("dp_shard_cp") if len(inner) > 1 else mesh["cp"]
+        return mesh[tuple(n for n in ("dp_replicate", "dp_shard") if n in names)]
 
 
 def init_distributed(acc: Accelerator, d: DistributedConfig, extra_ranks: int = 0) -> int:
@@ -166,7 +176,7 @@ def dp_coordinates(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, in
         return 0, 1
     names = mesh.mesh_dim_names
     r = mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
-    s = dims.shard_mesh(mesh).get_local_rank() if dims.dp_shard > 1 else 0
+    s = (dims.shard_mesh(mesh) if dims.ep > 1 else mesh["dp_shard"]).get_local_rank() if dims.dp_shard > 1 else 0
     return r * dims.dp_shard + s, dims.dp
 
 

@@ -120,3 +120,18 @@ def recompute_transient(shape: ModelShape, setup: TrainSetup) -> int:
     if setup.recompute == "full":
         return full.total
     return full.total - layer_activations(shape, setup, "selective").total
+
+
+RING_QUERY_TILE = 256  # query rows of a ring-attention block computed at once (parallel/context.py)
+
+
+def ring_block_transient(shape: ModelShape, setup: TrainSetup, backward: bool = False) -> int:
+    """Bytes of one ring-attention tile under context parallel (``parallel/context.py``): fp32 matrices of
+    (micro-batch, heads / tp, RING_QUERY_TILE rows or fewer, S / cp keys), alive while the tile is computed: the
+    scores and probabilities in forward; in backward, which recomputes them from the saved log-sum-exp, those and
+    the gradients of both. Nothing of it is kept between layers."""
+    if setup.cp == 1:
+        return 0
+    keys = setup.seq_length // setup.cp
+    rows = min(keys, RING_QUERY_TILE)
+    return (4 if backward else 2) * 4 * setup.micro_batch * (shape.num_heads // setup.tp) * rows * keys

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from canntrain_core.sizing.activations import layer_activations, recompute_transient
+from canntrain_core.sizing.activations import layer_activations, recompute_transient, ring_block_transient
 from canntrain_core.sizing.setup import TrainSetup
 from canntrain_core.sizing.shapes import ROUTED_EXPERT, ModelShape
 
@@ -225,6 +225,8 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     if mp:  # FSDP2 gathers 16-bit weights: autocast has nothing to copy
         copies_mb = 0
     recomp = recompute_transient(shape, s)
+    # context parallel: one attention block's scores at a time (forward; recomputed with their gradients in backward)
+    ring, ring_bw = ring_block_transient(shape, s), ring_block_transient(shape, s, backward=True)
     # ---- communication buffers
     comm = 0
     if s.zero >= 3 and shard > 1 and not keeps_gathered:
@@ -242,9 +244,9 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     cop_all = inflight * copies_mb
     emb_grad = g_b * (shape.embedding_params() // vtp) // div_g if (st.embedding and s.lora is None) else 0
     phases = {
-        "forward": base + gathered + g_fw + act_all + cop_all + logits_peak,
-        "backward_start": base + gathered + g_fw + act_all + cop_all + logits_saved + recomp,
-        "backward_end": base + gathered + grads - emb_grad + (inflight - 1) * (acts_mb + copies_mb) + recomp,
+        "forward": base + gathered + g_fw + act_all + cop_all + max(logits_peak, ring),
+        "backward_start": base + gathered + g_fw + act_all + cop_all + logits_saved + recomp + ring_bw,
+        "backward_end": base + gathered + grads - emb_grad + (inflight - 1) * (acts_mb + copies_mb) + recomp + ring_bw,
         "optimizer_step": base + grads + temps,
     }
     phase = max(phases, key=phases.get)
@@ -255,15 +257,23 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
         communication_buffers=comm,
     )
     if phase == "forward":
-        cats.update(gradients=g_fw, activations=act_all, autocast_weight_copies=cop_all, logits_loss=logits_peak)
+        cats.update(
+            gradients=g_fw,
+            activations=act_all + max(0, ring - logits_peak),
+            autocast_weight_copies=cop_all,
+            logits_loss=logits_peak,
+        )
     elif phase == "backward_start":
         cats.update(
-            gradients=g_fw, activations=act_all + recomp, autocast_weight_copies=cop_all, logits_loss=logits_saved
+            gradients=g_fw,
+            activations=act_all + recomp + ring_bw,
+            autocast_weight_copies=cop_all,
+            logits_loss=logits_saved,
         )
     elif phase == "backward_end":
         cats.update(
             gradients=grads - emb_grad,
-            activations=(inflight - 1) * acts_mb + recomp,
+            activations=(inflight - 1) * acts_mb + recomp + ring_bw,
             autocast_weight_copies=(inflight - 1) * copies_mb,
         )
     else:

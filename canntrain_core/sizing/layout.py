@@ -26,6 +26,7 @@ class Layout:
     precision: str = "fp32"
     packing: bool = False  # packed instruction rows carry a block-diagonal mask
     lora: bool = False
+    seq_length: int = 0  # tokens per row (0: not known here)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "Layout":
@@ -44,6 +45,7 @@ class Layout:
             precision=recipe.model.precision,
             packing=recipe.data.packing,  # an SFT key: the schema refuses it elsewhere
             lora=recipe.lora.enabled,
+            seq_length=recipe.data.seq_length,
         )
 
     @classmethod
@@ -61,6 +63,7 @@ class Layout:
             microbatches=s.microbatches,
             offload_optimizer=s.offload_optimizer,
             precision=s.precision,
+            seq_length=s.seq_length,
         )
 
     @property
@@ -109,10 +112,7 @@ def layout_problems(
             "(stage boundaries would carry sequence shards)"
         )
     if L.cp > 1:
-        out.append(
-            "distributed.context_parallel_size > 1 is estimated by the memory planner but not run "
-            "by the trainer yet (torch's context_parallel needs SDPA flash/efficient kernels)"
-        )
+        out += _context_parallel_problems(L)
     if L.zero == 0 and L.dp > 1 and (L.tp > 1 or L.pp > 1):
         out.append(
             "distributed.zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported; "
@@ -158,6 +158,14 @@ def layout_problems(
                 f"distributed.vocab_parallel: tensor_parallel_size={L.tp} must divide the vocabulary of "
                 f"{model.vocab_size} entries (set distributed.vocab_parallel=false, or a vocabulary size it divides)"
             )
+        if L.cp > 1 and model.kind in ("moe", "gpt"):
+            why = {
+                "moe": "a mixture of experts (its router balance is counted per data-parallel rank)",
+                "gpt": "GPT-2 (its attention calls SDPA itself)",
+            }[model.kind]
+            out.append(
+                f"distributed.context_parallel_size > 1 is not built for {why} yet; llama, qwen and mistral run it"
+            )
         if model.kind == "moe" and L.pp > 1:
             out.append(
                 "pipeline_parallel_size > 1 is not built for a mixture of experts yet (a pipeline stage's router "
@@ -183,6 +191,38 @@ def layout_problems(
             f"distributed.tensor_parallel_size={L.tp} spans nodes of {devices_per_node} devices; "
             "TP's all-reduces need the intra-node links (set distributed.allow_cross_node_tp to force)"
         )
+    return out
+
+
+def context_parallel_pays(seq_length: int, cp: int) -> bool:
+    """Whether rows are long enough to split over ``cp`` ranks (4k tokens a rank or more): what the planner searches
+    and the out-of-memory hint suggests. Shorter rows fit by other means, and each ring step would be too short to
+    hide its K/V exchange."""
+    return cp == 1 or (seq_length >= 4096 * cp and seq_length % (2 * cp) == 0)
+
+
+def _context_parallel_problems(L: Layout) -> list[str]:
+    """What context parallelism runs with: FSDP2 over dp x cp, whole rows cut in 2 x cp chunks (parallel/context.py),
+    TP without sequence parallel; not yet pipeline or expert parallel."""
+    out = []
+    key = f"distributed.context_parallel_size={L.cp}"
+    if L.zero == 0:
+        out.append(
+            f"{key} needs zero_optimization >= 1: FSDP2 averages the gradients over the cp ranks with the "
+            "data-parallel ones"
+        )
+    if L.seq_length and L.seq_length % (2 * L.cp):
+        out.append(
+            f"{key} cuts each row into 2 x {L.cp} chunks: data.seq_length={L.seq_length} must be a multiple "
+            f"of {2 * L.cp}"
+        )
+    for other, on in (
+        ("pipeline_parallel_size > 1", L.pp > 1),
+        ("expert_parallel_size > 1", L.ep > 1),
+        ("sequence_parallel", L.sequence_parallel),
+    ):
+        if on:
+            out.append(f"{key} with distributed.{other} is not supported yet")
     return out
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from canntrain_core.sizing.devices import bytes_text
 from canntrain_core.sizing.estimator import estimate
-from canntrain_core.sizing.layout import Layout, layout_problems
+from canntrain_core.sizing.layout import Layout, context_parallel_pays, layout_problems
 from canntrain_core.sizing.setup import TrainSetup, setup_from_recipe
 from canntrain_core.sizing.shapes import ModelShape, shape_of
 
@@ -36,6 +36,17 @@ def _candidates(s: TrainSetup, shape: ModelShape) -> list[tuple[str, TrainSetup]
             out.append((f"distributed.zero_optimization={z}", s.but(zero=z)))
     if shape.num_experts % (s.ep * 2) == 0 and (s.dp * s.cp) % (s.ep * 2) == 0:  # experts split further
         out.append((f"distributed.expert_parallel_size={s.ep * 2}", s.but(ep=s.ep * 2)))
+    f = 2
+    while s.dp % f == 0 and context_parallel_pays(s.seq_length, s.cp * f):  # long rows: split them, same batch
+        cp = s.but(cp=s.cp * f, dp=s.dp // f, grad_accum=s.grad_accum * f, zero=s.zero or 3)
+        out.append(
+            (
+                f"distributed.context_parallel_size={cp.cp} distributed.data_parallel_size={cp.dp} "
+                f"optim.grad_accum_steps={cp.grad_accum}" + ("" if s.zero else " distributed.zero_optimization=3"),
+                cp,
+            )
+        )
+        f *= 2
     if s.dp % 2 == 0:
         out.append(
             (

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 from canntrain_core.sizing.comm import comm_per_step
 from canntrain_core.sizing.devices import DeviceSpec
 from canntrain_core.sizing.estimator import GiB, MemoryEstimate, estimate
-from canntrain_core.sizing.layout import Layout, layout_problems
+from canntrain_core.sizing.layout import Layout, context_parallel_pays, layout_problems
 from canntrain_core.sizing.setup import RECOMPUTE_LEVELS, TrainSetup
 from canntrain_core.sizing.shapes import ModelShape
 
@@ -138,7 +138,7 @@ def candidate_setups(
     memory; the embedding, head and loss are split over the vocabulary under TP as ``base`` says (the
     trainer's default, ``distributed.vocab_parallel: true``).
     """
-    cps = [c for c in (1, 2, 4, 8) if devices % c == 0 and base.seq_length >= 8192 * c // 2] or [1]
+    cps = [c for c in (1, 2, 4, 8) if devices % c == 0 and context_parallel_pays(base.seq_length, c)]
     for tp in _divisors(devices):
         for pp in _divisors(devices // tp):
             for cp in cps:
@@ -163,7 +163,7 @@ def candidate_setups(
                                     grad_accum=global_batch // (dp * mb),
                                     num_microbatches=None,
                                     vocab_parallel=base.vocab_parallel,
-                                    sequence_parallel=tp > 1 and pp == 1,
+                                    sequence_parallel=tp > 1 and pp == 1 and cp == 1,
                                 )
                                 yield setup, layout_problems(Layout.from_setup(setup), shape, devices_per_node)
 

@@ -327,7 +327,12 @@ class Trainer:
                 with self.timer("data"):
                     batch = next(batches)
                 self.where.post(self.step + 1, "compute")
-                raw = self.train_iteration(batch)
+                try:  # every stage's step; the optimizer's first allocates its states
+                    raw = self.train_iteration(batch)
+                except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                    if not _is_oom(e):
+                        raise
+                    raise self._out_of_memory(e) from e
                 trace.after(self.step + 1)
                 self.scheduler.step()
                 self.step += 1
@@ -391,14 +396,8 @@ class Trainer:
         """One optimizer step on ``micro_batches``; what :meth:`log_record` reads of it."""
         lr = self.scheduler.get_last_lr()[0]
         self.model.train()
-        try:
-            loss = self.train_step(micro_batches)
-            grad_norm = self.optimizer_step()  # the first step allocates the optimizer's states
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            if not _is_oom(e):
-                raise
-            raise self._out_of_memory(e) from e
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        loss = self.train_step(micro_batches)
+        return {"loss": loss, "grad_norm": self.optimizer_step(), "lr": lr}
 
     def optimizer_step(self) -> torch.Tensor:
         """Unscale (fp16), clip and step, the optimizer of every stage; returns the gradient norm (over all ranks).
@@ -542,27 +541,40 @@ class Trainer:
         return loss_sum
 
     def _model_args(self, batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(inputs, targets, extra model arguments) of one micro-batch, on the device."""
+        """(inputs, targets, extra model arguments) of one micro-batch, on the device; under context parallel
+        this rank's slices of them (``ContextParallel.split_batch``)."""
         dev = self.acc.device
         if isinstance(batch, dict):  # instruction rows: labels -100 where nothing is trained
             b = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+            x, t = b["input_ids"][:, :-1], b["labels"][:, 1:]
             extra = {"position_ids": b["position_ids"][:, :-1]}
             if "segment_ids" in b:
                 extra["segment_ids"] = b["segment_ids"][:, :-1]
-            return b["input_ids"][:, :-1], b["labels"][:, 1:], extra
-        batch = batch.to(dev, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:], {}
+        else:
+            batch = batch.to(dev, non_blocking=True)
+            x, t, extra = batch[:, :-1], batch[:, 1:], {}
+        cp = self.model.context_parallel
+        if cp is None:
+            return x, t, extra
+        x, t, pos, segs = cp.split_batch(x, t, extra.get("position_ids"), extra.get("segment_ids"))
+        return (
+            x,
+            t,
+            {"position_ids": pos, "context_parallel": True, **({"segment_ids": segs} if segs is not None else {})},
+        )
 
     def _token_weights(self, targets: list[torch.Tensor]) -> list[float] | None:
         """``token_weighted`` rows: each micro-batch's weight = its trained tokens / the step's, times dp."""
         if not self.token_weighted:
             return None
         counts = [int((t != -100).sum()) for t in targets]
+        # cp ranks hold parts of the rows, not copies; the gradient is averaged over the dp x cp ranks
         total = self._sum_over_dp(torch.tensor(float(sum(counts)), device=self.acc.device), everywhere=True)
-        dp = self.dims.dp
+        total *= self.dims.cp
+        ranks = self.dims.dp * self.dims.cp
         n_micro = self.microbatches if self.schedule is not None else len(targets)
-        self._pp_token_weight = n_micro * dp / total  # the schedule averages its micro-batch losses
-        return [c * dp / total for c in counts]
+        self._pp_token_weight = n_micro * ranks / total  # the schedule averages its micro-batch losses
+        return [c * ranks / total for c in counts]
 
     def _sum_over_dp(self, value: torch.Tensor, everywhere: bool = False) -> float:
         """The sum over data-parallel ranks of a value every tp/cp rank holds a copy of (the last pipeline

@@ -46,6 +46,9 @@ CASES = {
     # its vocabulary padded as nanoGPT pads it (50,257 -> 50,304) so that tp divides it
     "gpt2-2L-bf16-tp2": ("gpt2", 2, dict(micro_batch=2, seq_length=1024, tp=2, sequence_parallel=False)),
     "qwen3-0.6b-2L-bf16": ("qwen3-0.6b", 2, dict(micro_batch=1, seq_length=2048)),
+    # context parallel: rows cut over 2 ranks (FSDP2 over dp x cp), the ring's blocks of scores one at a time
+    "tiny-cp2-bf16": ("tiny", None, dict(micro_batch=2, seq_length=128, cp=2, zero=3)),
+    "7b-2L-cp2": ("llama2-7b", 2, dict(micro_batch=1, seq_length=4096, cp=2, zero=3)),
     "qwen2.5-7b-2L-tp2": (
         "qwen2.5-7b",
         2,

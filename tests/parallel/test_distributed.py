@@ -63,6 +63,15 @@ LAYOUTS = {
         "data.batch_size": 1,
         "optim.grad_accum_steps": 4,
     },
+    # context parallel: each row cut in 4 chunks over 2 ranks, ring attention; and through the kernel registry's
+    # attention, with full recompute (the ring runs again in backward's recompute)
+    "cp2": {"distributed.context_parallel_size": 2, "distributed.zero_optimization": 3},
+    "cp2_kernels_recompute": {
+        "distributed.context_parallel_size": 2,
+        "distributed.zero_optimization": 2,
+        "model.kernels": "auto",
+        "model.activation_checkpointing": "full",
+    },
     "fsdp2_offload": {
         "distributed.data_parallel_size": 2,
         "distributed.zero_optimization": 3,
@@ -82,6 +91,9 @@ FSDP2_TP2 = {
     "data.batch_size": 4,
 }
 FSDP2_TP2_SP = {**FSDP2_TP2, "distributed.sequence_parallel": True}
+CP2 = {"distributed.context_parallel_size": 2, "distributed.zero_optimization": 3}
+FSDP2_CP2 = {**FSDP4, "distributed.data_parallel_size": 2, "data.batch_size": 4, **CP2}  # FSDP2 over dp x cp = 4
+TP2_CP2 = {"distributed.tensor_parallel_size": 2, **CP2}
 TIED = {"model.overrides.tie_word_embeddings": True}
 MOE = {"model.preset": "tiny-moe", "logging.ckpt_interval": 4}
 EP2 = {"distributed.expert_parallel_size": 2}
@@ -132,15 +144,17 @@ def runs(tmp_path_factory, data_cache):
             f"moe_fsdp4_from_ep2<{moe_step4}": {**MOE, **FSDP4},
             "moe_ep2_tp2": {**MOE, **FSDP2_TP2, **EP2},
             "moe_ep2_tp2_sp": {**MOE, **FSDP2_TP2_SP, **EP2},
+            "fsdp2_cp2": FSDP2_CP2,
+            "tp2_cp2": TP2_CP2,
         },
     )
     step4 = out / "fsdp4" / "checkpoints" / "step_4"
-    launch_layouts(TINY, out, 2, base, {f"fsdp2_from4<{step4}": LAYOUTS["fsdp2"]})
+    launch_layouts(TINY, out, 2, base, {f"fsdp2_from4<{step4}": LAYOUTS["fsdp2"], f"cp2_from4<{step4}": CP2})
     run_layouts(str(TINY), out, base, [f"single_from4<{step4}={{}}"])
     return out
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "fsdp2_tp2", "fsdp2_tp2_sp"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "fsdp2_tp2", "fsdp2_tp2_sp", "fsdp2_cp2", "tp2_cp2"])
 def test_layout_matches_single_process(runs, layout):
     ref, got = losses(runs / "single"), losses(runs / layout)
     assert sorted(got) == sorted(ref) == list(range(1, 9))
@@ -152,7 +166,7 @@ def test_layout_matches_single_process(runs, layout):
     assert max(abs(a - b) for a, b in zip(got_val, ref_val)) < LOSS_TOL
 
 
-@pytest.mark.parametrize("resumed", ["fsdp2_from4", "single_from4"])
+@pytest.mark.parametrize("resumed", ["fsdp2_from4", "single_from4", "cp2_from4"])  # cp2: a CP change reshards
 def test_checkpoint_from_4_ranks_resumes_on_fewer(runs, resumed):
     ref = losses(runs / "single")
     assert sorted(losses(runs / "fsdp4")) == [1, 2, 3, 4]

@@ -48,7 +48,20 @@ def test_zero_stage_picks_shard_or_replicate():
             {"distributed.world_size": 4, "distributed.tensor_parallel_size": 2, "distributed.data_parallel_size": 2},
             "zero_optimization=0 (DDP) with tensor or pipeline parallel is not supported",
         ),
-        ({"distributed.world_size": 2, "distributed.context_parallel_size": 2}, "context_parallel_size > 1"),
+        (
+            {"distributed.world_size": 2, "distributed.context_parallel_size": 2},
+            "context_parallel_size=2 needs zero_optimization >= 1",
+        ),
+        (
+            {
+                "distributed.world_size": 4,
+                "distributed.context_parallel_size": 2,
+                "distributed.pipeline_parallel_size": 2,
+                "distributed.zero_optimization": 3,
+                "optim.grad_accum_steps": 2,
+            },
+            "context_parallel_size=2 with distributed.pipeline_parallel_size > 1 is not supported yet",
+        ),
         (
             {
                 "distributed.world_size": 4,

@@ -196,3 +196,30 @@ def test_a_vocabulary_parallel_head_changes_what_the_planner_recommends():
     split, whole = _best("qwen2.5-72b", 32, True), _best("qwen2.5-72b", 32, False)
     assert split.setup.pp > 1 and whole.setup.pp == 1
     assert whole.step_time > 1.8 * split.step_time
+
+
+def test_every_fitting_long_context_plan_with_cp_is_a_recipe_the_trainer_accepts():
+    """Llama 3 8B at 32k tokens on 8 910B: the planner ranks context-parallel layouts first, and each fitting one
+    it offers, written as a recipe, passes the trainer's own checks (the recipe's and the model-aware validator)."""
+    from canntrain_core.memory.measure import recipe_for
+    from canntrain_core.sizing.layout import check_layout
+
+    shape = shape_from_preset("llama3-8b")
+    base = TrainSetup(seq_length=32768)
+    plans = [p for p in search(shape, 8, get_device("910b"), 8, 32, base, memory_bytes=0.9 * CAP) if p.fits]
+    assert plans[0].setup.cp > 1
+    with_cp = [p for p in plans if p.setup.cp > 1]
+    assert len(with_cp) >= 5
+    for p in with_cp:
+        check_layout(recipe_for(shape, p.setup), shape, 8)
+
+
+def test_the_oom_hint_suggests_context_parallel_for_long_rows():
+    recipe = load_recipe(
+        ROOT / "cookbook/llama/configs/llama3_8b_sft_32k.yaml",
+        {"distributed.context_parallel_size": 1, "distributed.data_parallel_size": 8, "optim.grad_accum_steps": 4},
+    )
+    hint = oom_hint(recipe, CAP, shape_from_recipe(recipe))
+    # the smallest split that fits: 2 and 4 ranks a row do not (the rows' activations stay too large)
+    fix = "try: --set distributed.context_parallel_size=8 distributed.data_parallel_size=1 optim.grad_accum_steps=32"
+    assert fix in hint, hint

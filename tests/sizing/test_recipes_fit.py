@@ -42,6 +42,7 @@ def test_the_real_recipes_name_their_device():
         "qwen2.5_7b_lora.yaml",
         "mixtral_8x7b_pretrain.yaml",
         "mixtral_8x7b_sft.yaml",
+        "llama3_8b_sft_32k.yaml",
     }
 
 

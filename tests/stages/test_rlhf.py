@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from canntrain_core.errors import OutOfMemory
 from canntrain_core.jobs.layouts import launch_layouts, run_layouts
 from canntrain_core.models.generate import greedy
 from canntrain_core.models.lifecycle import build_training_model
@@ -176,6 +177,21 @@ def test_grpo_and_ppo_raise_the_true_score(stage, start):
     assert _mean(scores[-6:]) >= _mean(scores[:6]) + 0.04, (_mean(scores[:6]), _mean(scores[-6:]))
 
 
+def _small_grpo(start, data_cache, **extra):
+    """3 iterations of 4 prompts, one update each: the engine's handling, not learning, is what is tested."""
+    overrides = {
+        "model.init_from": str(start.sft_hf),
+        "data.source": str(start.prompts),
+        "data.cache_dir": data_cache,
+        "data.batch_size": 4,
+        "data.val_fraction": 0.0,
+        "optim.max_steps": 3,
+        "rlhf.ppo_epochs": 1,
+        "rlhf.mini_batch_size": 8,
+    }
+    return load_recipe(CONFIGS / "tiny_grpo.yaml", {**overrides, **extra})
+
+
 def test_grpo_skips_a_nan_update_and_logs_the_engines_health(start, tmp_path, data_cache):
     """The online stages share the engine's optimizer step and its health: a NaN gradient in iteration 2's
     first update is skipped (optim.nonfinite: skip) and counted in every later row, with the step breakdown."""
@@ -186,26 +202,28 @@ def test_grpo_skips_a_nan_update_and_logs_the_engines_health(start, tmp_path, da
                 next(p for p in self.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
             return super().optimizer_step()
 
-    recipe = load_recipe(
-        CONFIGS / "tiny_grpo.yaml",
-        {
-            "model.init_from": str(start.sft_hf),
-            "data.source": str(start.prompts),
-            "data.cache_dir": data_cache,
-            "data.batch_size": 4,
-            "data.val_fraction": 0.0,
-            "optim.max_steps": 3,
-            "optim.nonfinite": "skip",
-            "logging.profile.enabled": True,
-            "rlhf.ppo_epochs": 1,
-            "rlhf.mini_batch_size": 8,
-        },
-    )
+    recipe = _small_grpo(start, data_cache, **{"optim.nonfinite": "skip", "logging.profile.enabled": True})
     NaNAtIteration2(recipe, run_dir=tmp_path, progress=False).fit()
     rows = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r]
     assert [r.get("skipped_steps", 0) for r in rows] == [0, 1, 1]
     assert all(r["time/optimizer"] > 0 for r in rows)
     assert all(math.isfinite(r["actor/pg_loss"]) for r in rows)
+
+
+def test_an_out_of_memory_in_a_grpo_iteration_gets_the_engines_diagnosis(start, tmp_path, data_cache):
+    """Every stage's step runs inside the engine's out-of-memory handling: an allocation failing in iteration 2's
+    rollout (as a device's would) ends the run with the step, the estimate against the capacity and the checkpoint."""
+
+    class FailsAtIteration2(GRPOTrainer):
+        def rollout(self, prompts, n, temperature):
+            if self.step + 1 == 2:
+                raise torch.OutOfMemoryError("out of memory: tried to allocate 2.00 GiB")
+            return super().rollout(prompts, n, temperature)
+
+    recipe = _small_grpo(start, data_cache, **{"logging.ckpt_interval": 1})
+    said = r"(?s)step 2: out of memory: tried .*the estimate for this recipe is .* per device .*step_1, is intact"
+    with pytest.raises(OutOfMemory, match=said):
+        FailsAtIteration2(recipe, run_dir=tmp_path, progress=False).fit()
 
 
 def test_dpo_moves_the_held_out_margins(start, tmp_path, data_cache):

@@ -140,6 +140,15 @@ def test_real_tokens_count_the_inputs_that_are_not_padding(packing):
     assert real_tokens({k: torch.stack([r[k] for r in rows]) for k in rows[0]}) == 17
 
 
+def test_packing_is_best_fit_decreasing():
+    """Samples of 6, 5, 4, 3 and 2 tokens into rows of 10: in arrival order (first fit) they take three rows, 30 %
+    padding; longest first, each into the row it fills most tightly (TRL's bfd): 6 + 4 and 5 + 3 + 2, none."""
+    samples = [Encoded(list(range(1, n + 1)), [True] * n, 1) for n in (2, 6, 3, 5, 4)]
+    rows, stats = make_rows(samples, 10, 0, packing=True)
+    lengths = [torch.bincount(r["segment_ids"])[1:].tolist() for r in rows]
+    assert lengths == [[6, 4], [5, 3, 2]] and stats["padding_fraction"] == 0
+
+
 def test_real_tokens_per_second_is_the_intervals_share_of_real_tokens(tmp_path, data_cache):
     """real_tokens_per_second / tokens_per_second over each logged interval is the share of that interval's input
     tokens that were not padding (the rows the steps trained on), not the data set's average."""
@@ -261,7 +270,7 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
     assert not (tmp_path / "merged2").exists()
 
 
-def test_sft_and_lora_under_fsdp2_and_tp2_sp_on_2_ranks_match_one_process(sft_run, tmp_path, data_cache):
+def test_sft_and_lora_under_fsdp2_tp2_sp_and_cp2_on_2_ranks_match_one_process(sft_run, tmp_path, data_cache):
     # from the fine-tuned model, so that the held-out answers decoded in lockstep by every rank are some right
     base = {
         **SFT,
@@ -277,11 +286,17 @@ def test_sft_and_lora_under_fsdp2_and_tp2_sp_on_2_ranks_match_one_process(sft_ru
     layouts = {"sft": {}, "lora": {"lora.enabled": True, "lora.dropout": 0.0}}  # dropout draws differ by layout
     fsdp = {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4}
     tp2_sp = {"distributed.tensor_parallel_size": 2, "distributed.sequence_parallel": True}  # the packed mask under SP
+    cp2 = {"distributed.context_parallel_size": 2, "distributed.zero_optimization": 3}  # packed rows cut in 4 chunks
     run_layouts(str(TINY), tmp_path, base, [f"{k}_single={json.dumps(v)}" for k, v in layouts.items()])
     launch_layouts(
-        TINY, tmp_path, 2, base, {**{f"{k}_fsdp2": {**v, **fsdp} for k, v in layouts.items()}, "sft_tp2sp": tp2_sp}
+        TINY,
+        tmp_path,
+        2,
+        base,
+        {**{f"{k}_fsdp2": {**v, **fsdp} for k, v in layouts.items()}, "sft_tp2sp": tp2_sp, "sft_cp2": cp2},
     )
-    for k, ref in (("sft_fsdp2", "sft_single"), ("lora_fsdp2", "lora_single"), ("sft_tp2sp", "sft_single")):
+    pairs = [("sft_fsdp2", "sft_single"), ("lora_fsdp2", "lora_single"), ("sft_tp2sp", "sft_single")]
+    for k, ref in pairs + [("sft_cp2", "sft_single")]:
         one, two = ({r["step"]: r for r in read_metrics(tmp_path / n)} for n in (ref, k))
         assert max(abs(one[s]["loss"] - two[s]["loss"]) for s in range(1, 7)) < 2e-4, k
         assert abs(one[6]["val_loss"] - two[6]["val_loss"]) < 2e-4, k
