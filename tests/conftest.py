@@ -32,6 +32,29 @@ FAST = {
 }
 
 
+# Metrics that measure the wall clock or the machine, not the training: equal runs differ in them (resume tests drop
+# every key containing one of these).
+WALL_CLOCK = (
+    "timing_s/",
+    "perf/",
+    "tokens_per_second",
+    "tflops",
+    "mfu",
+    "step_time",
+    "peak_memory",
+    "checkpoint_seconds",
+)
+
+
+def rows_by_step(run_dir) -> dict[int, dict]:
+    """A run's metrics.jsonl by step, without the wall-clock figures: what two equal runs agree on exactly."""
+    from canntrain_core.train.metrics import read_metrics
+
+    return {
+        r["step"]: {k: v for k, v in r.items() if not any(t in k for t in WALL_CLOCK)} for r in read_metrics(run_dir)
+    }
+
+
 # `make test-fast` (-m "not slow"): what trains a session's shared runs, launches several processes or
 # executes notebooks is slow; everything else runs in the edit loop.
 SLOW_FIXTURES = {"pretrained", "sft_run", "runs", "start", "reward_run"}

@@ -203,7 +203,7 @@ def context_parallel_pays(seq_length: int, cp: int) -> bool:
 
 def _context_parallel_problems(L: Layout) -> list[str]:
     """What context parallelism runs with: FSDP2 over dp x cp, whole rows cut in 2 x cp chunks (parallel/context.py),
-    TP without sequence parallel; not yet pipeline or expert parallel."""
+    TP with or without sequence parallel; not yet pipeline or expert parallel."""
     out = []
     key = f"distributed.context_parallel_size={L.cp}"
     if L.zero == 0:
@@ -219,7 +219,6 @@ def _context_parallel_problems(L: Layout) -> list[str]:
     for other, on in (
         ("pipeline_parallel_size > 1", L.pp > 1),
         ("expert_parallel_size > 1", L.ep > 1),
-        ("sequence_parallel", L.sequence_parallel),
     ):
         if on:
             out.append(f"{key} with distributed.{other} is not supported yet")

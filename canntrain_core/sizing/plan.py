@@ -163,7 +163,7 @@ def candidate_setups(
                                     grad_accum=global_batch // (dp * mb),
                                     num_microbatches=None,
                                     vocab_parallel=base.vocab_parallel,
-                                    sequence_parallel=tp > 1 and pp == 1 and cp == 1,
+                                    sequence_parallel=tp > 1 and pp == 1,
                                 )
                                 yield setup, layout_problems(Layout.from_setup(setup), shape, devices_per_node)
 

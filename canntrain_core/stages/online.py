@@ -91,7 +91,7 @@ class OnlineTrainer(Trainer):
 
     def _logged(self, raw: dict) -> dict:
         step_time = (time.perf_counter() - self.window[0]) / self.window[1]
-        return {**self._averaged(raw), **self.health(self.window[1], step_time)}
+        return {**self._averaged(raw), **self.health.take(self.window[1], step_time)}
 
     def postfix(self, raw: dict, record: dict) -> dict:
         return {"score": f"{raw['true_score/mean']:.3f}"}

@@ -11,10 +11,7 @@ import functools
 import json
 import math
 import os
-import statistics
-import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,7 +26,7 @@ from canntrain_core.data import build_data, pretrained_tokenizer
 from canntrain_core.data.tokenizer import tokenizer_files
 from canntrain_core.finetune.data import real_tokens
 from canntrain_core.finetune.evaluate import exact_match
-from canntrain_core.errors import BadInput, CollectiveFailed, NonFinite, OutOfMemory, RecipeError
+from canntrain_core.errors import BadInput, CollectiveFailed, OutOfMemory, RecipeError
 from canntrain_core.models.fused import check_kernels_fit
 from canntrain_core.models.hf import base_fingerprint
 from canntrain_core.models.lifecycle import build_training_model
@@ -52,7 +49,8 @@ from canntrain_core.sizing.oom import oom_hint
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
 from canntrain_core.train.progress import progress_bar
-from canntrain_core.train.timing import StepTimer, TraceWindow, advice
+from canntrain_core.train.health import Health
+from canntrain_core.train.timing import TraceWindow
 
 
 class RunDirError(BadInput):
@@ -172,12 +170,9 @@ class Trainer:
         self.aux_loss: torch.Tensor | None = None  # a mixture of experts' load-balancing loss over the last step
         self.expert_tokens: torch.Tensor | None = None  # and its routed tokens per layer and expert since the last log
         self.dropped_tokens: torch.Tensor | None = None  # and per layer those over capacity (expert_capacity_factor)
-        self.timer = StepTimer(r.logging.profile.enabled, self.acc.synchronize)  # where a step's time goes
-        self.skipped_steps = 0  # steps whose gradient norm was NaN or inf (optim.nonfinite: skip)
-        self.grad_norms: deque[float] = deque(maxlen=20)  # the last steps' gradient norms: a spike's yardstick
-        self.spikes = 0  # gradient norm spikes since the last log
+        self.health = Health(r, self.rank, self.acc.synchronize)  # NaN/inf and spikes, the step's time breakdown
+        self.timer = self.health.timer  # where a step's time goes (every stage times its phases with it)
         self.real_tokens = 0  # instruction rows: this rank's input tokens that were not padding, since the last log
-        self.advised: set[str] = set()  # what the breakdown's advice has said already
         # an adapted model (LoRA) checkpoints its adapters only; they name the base they adapt
         self.adapters_only = has_adapters(self.model)
         if resume_path is not None and self.adapters_only:
@@ -349,7 +344,9 @@ class Trainer:
                     self._write({"step": self.step, **record})
                 if self.step % r.logging.ckpt_interval == 0 or self.step in (r.optim.max_steps, stop_after):
                     with self.paused():
+                        started = time.perf_counter()
                         self.save()
+                        self.health.checkpoint_seconds = time.perf_counter() - started
                 if self.step == stop_after:
                     break
                 if logged:  # the next interval's clock (and breakdown) starts; an evaluation alone does not end one
@@ -407,45 +404,16 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
             grad_norm = clip_grad_norm(self.model.parameters(), self.recipe.optim.grad_clip, self.pp_group)
             norm = float(grad_norm)  # the same on every rank: the decision below is too
-            if math.isfinite(norm) or self.scaler.is_enabled():  # fp16's scaler skips a non-finite step itself
+            fp16_skips = self.scaler.is_enabled() and not math.isfinite(norm)  # fp16's scaler skips it itself
+            if fp16_skips or self.health.allows(norm, self.step + 1, self._last_checkpoint):
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
-                self._watch_spikes(norm)
-            else:
-                self._nonfinite(norm)
             self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
-
-    def _nonfinite(self, norm: float) -> None:
-        step = self.step + 1
-        if self.recipe.optim.nonfinite == "skip":
-            self.skipped_steps += 1
-            if self.rank == 0:
-                print(f"step {step}: gradient norm {norm}: update skipped (optim.nonfinite: skip)", file=sys.stderr)
-            return
-        done = checkpoint.list_checkpoints(self.ckpt_root)
-        then = "resume from it (--resume-from auto)" if done else "start again"
-        raise NonFinite(
-            f"step {step}: the gradient norm is {norm} (a NaN or inf loss or gradient). {self._last_checkpoint()} "
-            f"Lower optim.lr or tighten optim.grad_clip and {then}, or set optim.nonfinite=skip"
-        )
 
     def _last_checkpoint(self) -> str:
         done = checkpoint.list_checkpoints(self.ckpt_root)
         return f"The last complete checkpoint is {done[-1]}." if done else "No checkpoint was written yet."
-
-    def _watch_spikes(self, norm: float) -> None:
-        factor = self.recipe.logging.grad_spike_factor
-        median = statistics.median(self.grad_norms) if len(self.grad_norms) >= 5 else None
-        if factor and median and norm > factor * median:
-            self.spikes += 1
-            if self.rank == 0:
-                print(
-                    f"step {self.step + 1}: gradient norm {norm:.3g} is {norm / median:.0f}x the median of the last "
-                    f"{len(self.grad_norms)} steps (logging.grad_spike_factor {factor:g})",
-                    file=sys.stderr,
-                )
-        self.grad_norms.append(norm)
 
     def log_record(self, raw: dict, last: bool) -> dict[str, Any]:
         """What this step logs ({} between ``logging.log_interval``s): loss over data-parallel ranks, gradient
@@ -471,7 +439,7 @@ class Trainer:
         if self.aux_loss is not None:  # MoE: "loss" holds router_aux_loss_coef x it, as transformers' loss does
             record["aux_loss"] = self._mean_over_ranks(self.aux_loss)
             record.update(self._expert_balance())
-        record.update(self.health(self.window[1], record["step_time"]))
+        record.update(self.health.take(self.window[1], record["step_time"]))
         if "padding_fraction" in self.data.info:  # instruction rows: the interval's tokens that were not padding
             real = (
                 self._sum_over_dp(torch.tensor(float(self.real_tokens), device=self.acc.device), everywhere=True)
@@ -480,21 +448,6 @@ class Trainer:
             record["real_tokens_per_second"] = real / self.dims.non_data_parallel / (dt * self.window[1])
             self.real_tokens = 0
         return record
-
-    def health(self, steps: int, step_time: float) -> dict[str, Any]:
-        """What every stage logs beside its metrics: skipped steps (cumulative), gradient norm spikes, and under
-        ``logging.profile`` the seconds per step of each phase, whose advice is printed once."""
-        out: dict[str, Any] = self.timer.take(steps)
-        if self.skipped_steps:
-            out["skipped_steps"] = self.skipped_steps
-        if self.spikes:
-            out["grad_norm_spikes"], self.spikes = self.spikes, 0
-        if out and self.rank == 0:
-            for line in advice({"step_time": step_time, **out}):
-                if line not in self.advised:
-                    self.advised.add(line)
-                    print(line, file=sys.stderr)
-        return out
 
     def with_evaluation(self, record: dict, raw: dict) -> dict:
         """``record`` with this step's evaluation (``logging.eval_interval``)."""
@@ -703,7 +656,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "sampler": self.data.sampler.state_dict(),
             "rng": self.acc.rng_state(),
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.health.skipped_steps,
             "extra": self.extra_state(),
         }
         return checkpoint.save_checkpoint(
@@ -777,7 +730,7 @@ class Trainer:
         self.data.sampler.load_state_dict(state["sampler"])
         self.acc.set_rng_state(state["rng"])
         self.load_extra_state(state.get("extra", {}))
-        self.skipped_steps = state.get("skipped_steps", 0)
+        self.health.skipped_steps = state.get("skipped_steps", 0)
         if self.rank == 0:
             self.metrics.truncate_after(self.step)
             print(f"resumed from {path} at step {self.step}")

@@ -93,7 +93,7 @@ FSDP2_TP2 = {
 FSDP2_TP2_SP = {**FSDP2_TP2, "distributed.sequence_parallel": True}
 CP2 = {"distributed.context_parallel_size": 2, "distributed.zero_optimization": 3}
 FSDP2_CP2 = {**FSDP4, "distributed.data_parallel_size": 2, "data.batch_size": 4, **CP2}  # FSDP2 over dp x cp = 4
-TP2_CP2 = {"distributed.tensor_parallel_size": 2, **CP2}
+TP2_SP_CP2 = {"distributed.tensor_parallel_size": 2, "distributed.sequence_parallel": True, **CP2}
 TIED = {"model.overrides.tie_word_embeddings": True}
 MOE = {"model.preset": "tiny-moe", "logging.ckpt_interval": 4}
 EP2 = {"distributed.expert_parallel_size": 2}
@@ -145,7 +145,7 @@ def runs(tmp_path_factory, data_cache):
             "moe_ep2_tp2": {**MOE, **FSDP2_TP2, **EP2},
             "moe_ep2_tp2_sp": {**MOE, **FSDP2_TP2_SP, **EP2},
             "fsdp2_cp2": FSDP2_CP2,
-            "tp2_cp2": TP2_CP2,
+            "tp2_sp_cp2": TP2_SP_CP2,
         },
     )
     step4 = out / "fsdp4" / "checkpoints" / "step_4"
@@ -154,7 +154,7 @@ def runs(tmp_path_factory, data_cache):
     return out
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "fsdp2_tp2", "fsdp2_tp2_sp", "fsdp2_cp2", "tp2_cp2"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "fsdp2_tp2", "fsdp2_tp2_sp", "fsdp2_cp2", "tp2_sp_cp2"])
 def test_layout_matches_single_process(runs, layout):
     ref, got = losses(runs / "single"), losses(runs / layout)
     assert sorted(got) == sorted(ref) == list(range(1, 9))

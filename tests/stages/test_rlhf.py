@@ -24,7 +24,7 @@ from canntrain_core.stages import make_trainer
 from canntrain_core.stages.grpo import GRPOTrainer
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.trainer import runs_root
-from conftest import CONFIGS, TINY
+from conftest import rows_by_step, CONFIGS, TINY
 
 
 WORKDIR = runs_root() / "rlhf"  # the alignment notebooks' workdir under the suite's $CANNTRAIN_RUNS
@@ -58,12 +58,6 @@ TEMPLATE = {
     "optim.weight_decay": 0.0,
     "logging.log_interval": 1,
 }
-TIMING = ("timing_s/", "tokens_per_second", "step_time")
-
-
-def _rows(run_dir) -> dict[int, dict]:
-    """metrics.jsonl by step, without the wall-clock figures."""
-    return {r["step"]: {k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in read_metrics(run_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +122,7 @@ def test_ppo_resume_is_bit_exact_and_resident_memory_is_the_estimate(start, rewa
     whole.fit()
     make_trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=2)
     make_trainer(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
-    full, cut = _rows(tmp_path / "whole"), _rows(tmp_path / "cut")
+    full, cut = rows_by_step(tmp_path / "whole"), rows_by_step(tmp_path / "cut")
     assert sorted(full) == [0, 1, 2, 3, 4] and full == cut  # scores, KL, losses, the adaptive KL coefficient
     assert full[4]["actor/reward_kl_penalty_coeff"] != 0.02  # the controller moved it (the resumed run restored it)
     # four models, each holding what the estimator says (fp32 parameters, + gradients + AdamW states)
@@ -147,7 +141,7 @@ def test_separated_placement_on_its_own_rank_matches_shared(start, reward_run, t
         run_layouts(str(TINY), tmp_path, base, ["shared={}"])
     finally:
         torch.set_num_threads(threads)
-    shared, separated = _rows(tmp_path / "shared"), _rows(tmp_path / "separated")
+    shared, separated = rows_by_step(tmp_path / "shared"), rows_by_step(tmp_path / "separated")
     assert sorted(shared) == [0, 1, 2, 3]
     for step in shared:
         for k, v in shared[step].items():
@@ -198,7 +192,7 @@ def test_grpo_skips_a_nan_update_and_logs_the_engines_health(start, tmp_path, da
 
     class NaNAtIteration2(GRPOTrainer):
         def optimizer_step(self):
-            if self.step + 1 == 2 and not self.skipped_steps:
+            if self.step + 1 == 2 and not self.health.skipped_steps:
                 next(p for p in self.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
             return super().optimizer_step()
 

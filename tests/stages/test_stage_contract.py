@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import typing
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +19,11 @@ from canntrain_core.finetune.tasks import task_records
 from canntrain_core.recipe import Recipe, load_recipe
 from canntrain_core.finetune.alignment_data import preference_records
 from canntrain_core.train.metrics import read_metrics
-from conftest import CONFIGS, write_hf_model
+from conftest import rows_by_step, CONFIGS, write_hf_model
 from canntrain_core.stages import make_trainer
 
 
 STEPS = 4
-TIMING = ("timing_s/", "perf/", "tokens_per_second", "tflops", "mfu", "step_time", "peak_memory")
 SMALL = {
     "optim.max_steps": STEPS,
     "optim.warmup_steps": 1,
@@ -103,10 +101,6 @@ def _recipe(mode: str, inputs: dict, data_cache: str, **extra):
     )
 
 
-def _rows(run: Path) -> dict[int, dict]:
-    return {r["step"]: {k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in read_metrics(run)}
-
-
 def test_every_train_mode_is_checked_here_and_has_a_tiny_recipe():
     modes = typing.get_args(Recipe.model_fields["train_mode"].annotation)
     assert sorted(STAGE) == sorted(modes)
@@ -119,7 +113,7 @@ def test_a_stage_resumes_bit_exactly(mode, inputs, data_cache, tmp_path):
     make_trainer(recipe, run_dir=tmp_path / "full", progress=False).fit()
     make_trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=2)
     make_trainer(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
-    full, cut = _rows(tmp_path / "full"), _rows(tmp_path / "cut")
+    full, cut = rows_by_step(tmp_path / "full"), rows_by_step(tmp_path / "cut")
     assert sorted(full) == sorted(cut) and STEPS in full
     assert full == cut
 

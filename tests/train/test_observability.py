@@ -81,6 +81,14 @@ def test_a_nan_step_is_skipped_and_counted_when_the_recipe_says_so(tmp_path, fas
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows(tmp_path))
 
 
+def test_each_checkpoints_time_is_logged_with_the_next_row(tmp_path, fast_recipe):
+    recipe = fast_recipe(**{"optim.max_steps": 6, "logging.ckpt_interval": 2, "logging.eval_interval": 100})
+    Trainer(recipe, run_dir=tmp_path, progress=False).fit()
+    logged = {r["step"]: r.get("checkpoint_seconds") for r in rows(tmp_path)}
+    assert [s for s, t in logged.items() if t is not None] == [3, 5]  # the saves at 2 and 4 (6's: no row after)
+    assert all(0 < t < 60 for t in logged.values() if t is not None)
+
+
 def test_a_memory_budget_ends_the_run_with_the_out_of_memory_diagnosis(tmp_path, data_cache):
     """distributed.memory_budget_gb rehearses a smaller device: 5 MiB beyond what a fresh `canntrain train` held
     before its model was built (on a CPU, the process's data size limit; a process that ran before holds freed heap
