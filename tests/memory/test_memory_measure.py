@@ -49,6 +49,9 @@ CASES = {
     # context parallel: rows cut over 2 ranks (FSDP2 over dp x cp), the ring's blocks of scores one at a time
     "tiny-cp2-bf16": ("tiny", None, dict(micro_batch=2, seq_length=128, cp=2, zero=3)),
     "7b-2L-cp2": ("llama2-7b", 2, dict(micro_batch=1, seq_length=4096, cp=2, zero=3)),
+    # FSDP2 over dp2 x cp2: the peak moves into backward, where a block's reduce-scatter holds its unsharded
+    # gradients in bf16 and fp32 (1.4 GiB here)
+    "7b-2L-fsdp2-cp2": ("llama2-7b", 2, dict(micro_batch=1, seq_length=4096, dp=2, cp=2, zero=3)),
     "qwen2.5-7b-2L-tp2": (
         "qwen2.5-7b",
         2,
