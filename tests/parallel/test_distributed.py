@@ -63,9 +63,9 @@ LAYOUTS = {
         "data.batch_size": 1,
         "optim.grad_accum_steps": 4,
     },
-    # context parallel: each row cut in 4 chunks over 2 ranks, ring attention; and through the kernel registry's
-    # attention, with full recompute (the ring runs again in backward's recompute)
-    "cp2": {"distributed.context_parallel_size": 2, "distributed.zero_optimization": 3},
+    # context parallel: each row cut in 4 chunks over 2 ranks, ring attention through the kernel registry's
+    # attention op, with full recompute (the ring runs again in backward's recompute); transformers' attention
+    # interface carries it in fsdp2_cp2 and tp2_sp_cp2 on 4 ranks
     "cp2_kernels_recompute": {
         "distributed.context_parallel_size": 2,
         "distributed.zero_optimization": 2,
