@@ -77,7 +77,7 @@ class CausalLM(nn.Module):
         mask = attention_mask  # None: SDPA applies the causal mask itself
         cp = self.context_parallel
         if cp is not None:  # ring attention masks by global position and segment itself
-            cp.active, cp.segment_ids = context_parallel, segment_ids if context_parallel else None
+            cp.begin(context_parallel, segment_ids)
             segment_ids = None if context_parallel else segment_ids
         if segment_ids is not None:  # block-diagonal causal: a token sees earlier tokens of its own sample
             same = segment_ids[:, :, None] == segment_ids[:, None, :]

@@ -374,14 +374,19 @@ ATTENTION_NAME = "canntrain_context_parallel"  # transformers' attention interfa
 
 class ContextParallel:
     """A model's context parallelism: its cp group, and for the forward under way whether its inputs are this
-    rank's slices (``active``, set by ``CausalLM.forward``) and their ``segment_ids``. Inactive (generation,
+    rank's slices (``active``, set by ``CausalLM.forward``) and every rank's segment ids. Inactive (generation,
     which runs every rank on whole sequences), attention is the model's own."""
 
     def __init__(self, group, fallback: str):
         self.group, self.fallback = group, fallback
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.active = False
-        self.segment_ids: torch.Tensor | None = None
+        self.all_segment_ids: torch.Tensor | None = None  # every rank's, gathered once a forward (not per layer)
+
+    def begin(self, active: bool, segment_ids: torch.Tensor | None) -> None:
+        """A forward starts (``CausalLM.forward``): on this rank's slices (``active``) or on whole rows."""
+        self.active = active
+        self.all_segment_ids = _all_segment_ids(segment_ids, self.group) if active else None
 
     def split_batch(self, x, targets, position_ids=None, segment_ids=None) -> tuple:
         """This rank's slices of whole rows (targets shifted already, so a chunk's last target is the next
@@ -392,7 +397,7 @@ class ContextParallel:
         return split(x, n, r, 1), split(targets, n, r, 1), pos, segs
 
     def attention(self, q, k, v, scale) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group, scale=scale, segment_ids=self.segment_ids)
+        return _RingAttention.apply(q, k, v, self.group, _scale(q, scale), self.all_segment_ids)
 
     def kernel_attention(self, own):
         """The kernel registry's attention op (``models.fused``), ring attention while active."""

@@ -196,9 +196,9 @@ def layout_problems(
 
 def context_parallel_pays(seq_length: int, cp: int) -> bool:
     """Whether rows are long enough to split over ``cp`` ranks (4k tokens a rank or more): what the planner searches
-    and the out-of-memory hint suggests. Shorter rows fit by other means, and each ring step would be too short to
-    hide its K/V exchange."""
-    return cp == 1 or (seq_length >= 4096 * cp and seq_length % (2 * cp) == 0)
+    and the out-of-memory hint suggests (the validator then keeps the splits the trainer runs). Shorter rows fit by
+    other means, and each ring step would be too short to hide its K/V exchange."""
+    return cp == 1 or seq_length >= 4096 * cp
 
 
 def _context_parallel_problems(L: Layout) -> list[str]:

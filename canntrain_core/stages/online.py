@@ -8,8 +8,6 @@ policy was trained on (a learned reward model's score, for PPO).
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from canntrain_core.finetune.tasks import partial_score, score
@@ -90,8 +88,7 @@ class OnlineTrainer(Trainer):
         return {**(record or (self._averaged(raw) if found else {})), **found}
 
     def _logged(self, raw: dict) -> dict:
-        step_time = (time.perf_counter() - self.window[0]) / self.window[1]
-        return {**self._averaged(raw), **self.health.take(self.window[1], step_time)}
+        return {**self._averaged(raw), **self.health.take(self.window[1], self.interval_step_time())}
 
     def postfix(self, raw: dict, record: dict) -> dict:
         return {"score": f"{raw['true_score/mean']:.3f}"}

@@ -8,10 +8,16 @@ import math
 import statistics
 import sys
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable
 
 from canntrain_core.errors import NonFinite
 from canntrain_core.train.timing import StepTimer, advice
+
+
+def checkpoint_sentence(last: Path | None) -> str:
+    """What a run that stops says of the checkpoint to resume from."""
+    return f"The last complete checkpoint is {last}." if last else "No checkpoint was written yet."
 
 
 class Health:
@@ -26,7 +32,7 @@ class Health:
         self.advised: set[str] = set()  # what the breakdown's advice has said already
         self.checkpoint_seconds: float | None = None  # the last save's, logged with the next row
 
-    def allows(self, norm: float, step: int, last_checkpoint: Callable[[], str]) -> bool:
+    def allows(self, norm: float, step: int, last_checkpoint: Callable[[], Path | None]) -> bool:
         """Whether step ``step``'s update with gradient norm ``norm`` is applied: a finite norm is (and is watched
         for spikes); a NaN or inf one is skipped and counted (``optim.nonfinite: skip``) or stops the run naming
         ``last_checkpoint()`` (``stop``)."""
@@ -37,10 +43,10 @@ class Health:
             self.skipped_steps += 1
             self._say(f"step {step}: gradient norm {norm}: update skipped (optim.nonfinite: skip)")
             return False
-        where = last_checkpoint()
-        then = "start again" if where.startswith("No checkpoint") else "resume from it (--resume-from auto)"
+        last = last_checkpoint()
+        then = "resume from it (--resume-from auto)" if last else "start again"
         raise NonFinite(
-            f"step {step}: the gradient norm is {norm} (a NaN or inf loss or gradient). {where} "
+            f"step {step}: the gradient norm is {norm} (a NaN or inf loss or gradient). {checkpoint_sentence(last)} "
             f"Lower optim.lr or tighten optim.grad_clip and {then}, or set optim.nonfinite=skip"
         )
 

@@ -49,7 +49,7 @@ from canntrain_core.sizing.oom import oom_hint
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
 from canntrain_core.train.progress import progress_bar
-from canntrain_core.train.health import Health
+from canntrain_core.train.health import Health, checkpoint_sentence
 from canntrain_core.train.timing import TraceWindow
 
 
@@ -355,14 +355,20 @@ class Trainer:
             if not is_collective_failure(e):
                 raise
             raise CollectiveFailed(
-                f"{describe_failure(e, self.where, r.distributed.timeout_seconds)}. {self._last_checkpoint()}"
+                f"{describe_failure(e, self.where, r.distributed.timeout_seconds)}. "
+                + checkpoint_sentence(self._last_checkpoint())
             ) from e
         finally:
             self._release_memory()
+            self.metrics.close()  # its sinks: TensorBoard's writer, a notebook's last held-back picture
             trace.close()
             self.close()
             bar.close()
         return self.result()  # plots are drawn from metrics.jsonl by the CLI and the notebooks
+
+    def interval_step_time(self) -> float:
+        """Seconds per step since the interval being logged started (evaluation and checkpoints taken off)."""
+        return (time.perf_counter() - self.window[0]) / self.window[1]
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -411,9 +417,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _last_checkpoint(self) -> str:
+    def _last_checkpoint(self) -> Path | None:
         done = checkpoint.list_checkpoints(self.ckpt_root)
-        return f"The last complete checkpoint is {done[-1]}." if done else "No checkpoint was written yet."
+        return done[-1] if done else None
 
     def log_record(self, raw: dict, last: bool) -> dict[str, Any]:
         """What this step logs ({} between ``logging.log_interval``s): loss over data-parallel ranks, gradient
@@ -422,7 +428,7 @@ class Trainer:
         if not (self.step % r.logging.log_interval == 0 or last):
             return {}
         acc.synchronize()
-        dt = (time.perf_counter() - self.window[0]) / self.window[1]
+        dt = self.interval_step_time()
         # Tokens this device trains on per step: its data-parallel share, split over tp/pp/cp.
         tokens = r.data.batch_size * r.data.seq_length * r.optim.grad_accum_steps / self.dims.non_data_parallel
         flops = flops_per_token(self.model_config, r.data.seq_length) * tokens

@@ -35,7 +35,9 @@ def assert_same(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> 
 
 def test_every_metric_is_a_scalar_at_its_step(tmp_path, fast_recipe):
     recipe = fast_recipe(**{"optim.max_steps": 6, "logging.eval_interval": 3, "logging.tensorboard": True})
-    Trainer(recipe, run_dir=tmp_path, progress=False).fit()
+    trainer = Trainer(recipe, run_dir=tmp_path, progress=False)
+    trainer.fit()
+    assert [sink.writer for sink in trainer.metrics.sinks] == [None]  # fit's end closed the writer
     assert_same(scalars(tmp_path, "loss"), logged(tmp_path, "loss"))
     assert [s for s, _ in logged(tmp_path, "loss")] == [1, 2, 3, 4, 5, 6]
     assert_same(scalars(tmp_path, "val_loss"), logged(tmp_path, "val_loss"))  # steps 0, 3, 6
