@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Context-parallel attention on this machine: ring vs all-gather (canntrain_core/parallel/context.py) on cp gloo
-processes, forward and backward time, bytes each rank sends and bytes kept for backward.
+processes, forward and backward time, bytes each rank sends and bytes kept for backward. ``ring`` runs its
+blocks on the kernel registry's eager attention_block (tiled matmuls), ``ring_cpu`` on its cpu backend (torch's
+flash attention for CPU).
 
     python benchmarks/cp_attention.py [--cp 2 4] [--seq 1024 4096] [--reps 5] [--probe-torch]
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -74,6 +77,9 @@ def kept_for_backward(total: list[int]):
 # ------------------------------------------------------------------------------------------------ workers
 def bench_worker(seqs: list[int], reps: int) -> None:
     from canntrain_core.parallel.context import allgather_attention, ring_attention, split
+    from canntrain_kernels import get
+
+    ring_cpu = functools.partial(ring_attention, block=get("attention_block", "cpu"))
 
     traffic = Traffic()
     cp, rank = dist.get_world_size(), dist.get_rank()
@@ -82,7 +88,7 @@ def bench_worker(seqs: list[int], reps: int) -> None:
         q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=g)
         k, v = (torch.randn(BATCH, KV_HEADS, seq, HEAD_DIM, generator=g) for _ in range(2))
         local = [split(t, cp, rank, dim=2) for t in (q, k, v)]
-        for name, attention in (("ring", ring_attention), ("allgather", allgather_attention)):
+        for name, attention in (("ring", ring_attention), ("ring_cpu", ring_cpu), ("allgather", allgather_attention)):
             fwd, total, sent, kept = [], [], [0, 0], [0]
             for rep in range(reps + 1):  # the first is a warm-up
                 inputs = [t.clone().requires_grad_() for t in local]

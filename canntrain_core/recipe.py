@@ -44,11 +44,11 @@ class ModelConfig(_Section):
     overrides: dict[str, Any] = Field(default_factory=dict)
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"
     # Which fused-kernel backend the model uses (see canntrain_kernels/): auto picks the fastest checked one.
-    kernels: Literal["auto", "eager", "compile", "npu", "cuda"] = "eager"
+    kernels: Literal["auto", "eager", "compile", "npu", "cuda", "cpu"] = "eager"
     # Per-op backend choices that win over `kernels`, e.g. {cross_entropy: eager}.
     kernel_overrides: dict[
-        Literal["rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy", "expert_mlp"],
-        Literal["auto", "eager", "compile", "npu", "cuda"],
+        Literal["rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy", "expert_mlp", "attention_block"],
+        Literal["auto", "eager", "compile", "npu", "cuda", "cpu"],
     ] = Field(default_factory=dict)
     # none | selective (every other decoder layer recomputed) | full (every layer)
     activation_checkpointing: Literal["none", "selective", "full"] = "none"

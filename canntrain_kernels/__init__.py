@@ -1,7 +1,9 @@
-"""canntrain's fused kernels: RMSNorm, RoPE, SwiGLU, attention and chunked cross-entropy.
+"""canntrain's fused kernels: RMSNorm, RoPE, SwiGLU, attention, chunked cross-entropy, a mixture of experts' MLP and a
+ring attention's block (``block_attention``).
 
 One registry, several backends per op (``npu``: torch_npu fused ops, ``cuda``: Triton and torch's
-flash SDPA, ``compile``: torch.compile of the reference, ``eager``: the reference itself), and a
+flash SDPA, ``cpu``: torch's fused CPU kernels, ``compile``: torch.compile of the reference, ``eager``: the
+reference itself), and a
 harness that checks each against an fp64 reference and times it::
 
     import canntrain_kernels as kernels

@@ -125,6 +125,13 @@ def make_case(op: str, shape: Shape, dtype: torch.dtype, device: str | torch.dev
         k = randn(s.batch, s.kv_heads, s.seq, s.head_dim)
         v = randn(s.batch, s.kv_heads, s.seq, s.head_dim)
         return Case(op, (q, k, v), {"causal": True, "window": s.window}, (0, 1, 2))
+    if op == "attention_block":  # a ring's diagonal block of packed rows: causal, three documents, tiled rows
+        q = randn(s.batch, s.heads, s.seq, s.head_dim)
+        k = randn(s.batch, s.kv_heads, s.seq, s.head_dim)
+        v = randn(s.batch, s.kv_heads, s.seq, s.head_dim)
+        segs = (torch.arange(s.seq) * 3 // s.seq).expand(s.batch, -1).to(device)
+        tile = max(1, s.seq // 3)
+        return Case(op, (q, k, v), {"causal": True, "seg_q": segs, "seg_k": segs, "tile": tile}, (0, 1, 2))
     if op == "cross_entropy":
         n = s.batch * s.seq
         hidden = randn(n, s.hidden)

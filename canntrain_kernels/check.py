@@ -77,7 +77,8 @@ def _forward_backward(fn: Callable, case: Case, args: tuple, grads_up: list[torc
         grads_up = _upstream(outs)
     ups = [g.to(dtype=o.dtype, device=o.device) for g, o in zip(grads_up, outs)]
     inputs = [args[i] for i in case.differentiable]
-    grads = torch.autograd.grad(outs, inputs, ups, allow_unused=True)
+    graded = [(o, u) for o, u in zip(outs, ups) if o.requires_grad]  # a statistic (a block's lse) has none
+    grads = torch.autograd.grad([o for o, _ in graded], inputs, [u for _, u in graded], allow_unused=True)
     return outs, grads, grads_up
 
 
@@ -107,7 +108,7 @@ def compare(fn: Callable, op: str, case: Case) -> dict[str, float]:
     ref_case = Case(
         op,
         tuple(a.detach().to("cpu", torch.float64) if a.is_floating_point() else a.cpu() for a in case.args),
-        case.kwargs,
+        {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in case.kwargs.items()},
         case.differentiable,
     )
     ref_outs, ref_grads, _ = _forward_backward(truth_fn(op), ref_case, _with_grad(ref_case), ups)
@@ -123,14 +124,14 @@ def time_ms(fn: Callable, case: Case, device: str, backward: bool, warmup: int =
     lets a compiled kernel reuse the graph it compiled for forward+backward.
     """
     args = _with_grad(case)
-    outs = _outputs(case.call(fn, args))
+    outs = [o for o in _outputs(case.call(fn, args)) if o.requires_grad]
     ups = [torch.ones_like(o) for o in outs]
     inputs = [args[i] for i in case.differentiable]
     times = []
     for i in range(warmup + repeat):
         _sync(device)
         t0 = time.perf_counter()
-        outs = _outputs(case.call(fn, args))
+        outs = [o for o in _outputs(case.call(fn, args)) if o.requires_grad]
         if backward:
             torch.autograd.grad(outs, inputs, ups, allow_unused=True)
         _sync(device)

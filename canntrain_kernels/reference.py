@@ -114,3 +114,31 @@ def cross_entropy(
     Forward and backward never hold more than one chunk of fp32 logits (see kernels.cross_entropy).
     """
     return chunked_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, chunk_size=chunk_size)
+
+
+def attention_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    seg_q: torch.Tensor | None = None,
+    seg_k: torch.Tensor | None = None,
+    scale: float | None = None,
+    tile: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of a ring attention (``kernels.block_attention``): softmax(q k^T * scale) v over the keys each
+    query sees (j <= i when ``causal``; the same segment id when given), and the log-sum-exp of each row's scores
+    (no gradient; -inf where a row sees no key, whose output is 0). ``tile`` is a memory bound, not a meaning."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)[None]
+    if causal:
+        keep = keep & attention_mask(q.shape[-2], k.shape[-2], True, device=q.device)
+    if seg_q is not None:
+        keep = keep & (seg_q[:, :, None] == seg_k[:, None, :])
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    return (probs @ v.to(probs.dtype)).to(q.dtype), lse.detach()

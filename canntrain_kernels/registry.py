@@ -16,20 +16,24 @@ from typing import Callable
 
 from canntrain_kernels.device import device_type
 
-OPS = ("rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy", "expert_mlp")
-BACKENDS = ("npu", "cuda", "compile", "eager")
+OPS = ("rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy", "expert_mlp", "attention_block")
+BACKENDS = ("npu", "cuda", "cpu", "compile", "eager")
 CHOICES = ("auto",) + BACKENDS
 
 # Fastest first, per device type. CPU: benchmarks/kernel_speed.py --threads 1 measured compile ahead of
 # eager for every op at the tiny preset's training shapes (RMSNorm about 6x, RoPE, SwiGLU and
 # attention about 1.7-1.9x forward+backward, the chunked loss about 1.1x).
 # A mixture of experts' expert_mlp has no compile backend (its rows per expert are data): the device's grouped
-# matmul, else the loop.
+# matmul, else the loop. A ring attention's attention_block (kernels.block_attention) is a forward and a backward
+# called by the ring, not a graph to compile: the device's fused attention that returns its log-sum-exp (the
+# "cpu" backend is torch's flash attention for CPU), else tiled matmuls; CUDA has none yet.
+_NO_COMPILE = ("expert_mlp", "attention_block")
 AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
-    "npu": {op: ("npu", "eager") if op == "expert_mlp" else ("npu", "compile", "eager") for op in OPS},
-    "cuda": {op: ("cuda", "eager") if op == "expert_mlp" else ("cuda", "compile", "eager") for op in OPS},
+    "npu": {op: ("npu", "eager") if op in _NO_COMPILE else ("npu", "compile", "eager") for op in OPS},
+    "cuda": {op: ("cuda", "eager") if op in _NO_COMPILE else ("cuda", "compile", "eager") for op in OPS},
     "cpu": {
         "expert_mlp": ("eager",),
+        "attention_block": ("cpu", "eager"),
         "rms_norm": ("compile", "eager"),
         "apply_rotary": ("compile", "eager"),
         "swiglu": ("compile", "eager"),
@@ -78,7 +82,7 @@ def _load() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        for name in ("eager", "compile", "npu", "cuda"):
+        for name in ("eager", "compile", "npu", "cuda", "cpu"):
             importlib.import_module(f"canntrain_kernels.backends.{name}")
 
 
@@ -175,10 +179,17 @@ def get(op: str, backend: str = "auto", device: str | None = None, dtypes: tuple
 
 
 def resolve(default: str = "eager", overrides: dict[str, str] | None = None) -> dict[str, str]:
-    """Requested backend per op: ``overrides`` (op -> backend) win over ``default``."""
+    """Requested backend per op: ``overrides`` (op -> backend) win over ``default``; an op the default backend
+    does not implement (compile has no expert_mlp, cpu only a ring's attention_block) runs eager."""
     overrides = dict(overrides or {})
     for op, b in overrides.items():
         _check_op(op)
         if b not in CHOICES:
             raise KeyError(f"kernel override {op}={b!r}: choose one of {', '.join(CHOICES)}")
-    return {op: overrides.get(op, default) for op in OPS}
+    if default not in CHOICES:
+        raise KeyError(f"unknown kernel backend {default!r}; choose one of {', '.join(CHOICES)}")
+
+    def fallback(op: str) -> str:
+        return default if default == "auto" or kernel(op, default) is not None else "eager"
+
+    return {op: overrides.get(op) or fallback(op) for op in OPS}

@@ -3,13 +3,15 @@
     torchrun --nproc_per_node CP tests/_cp_ranks.py OUT
 
 Every rank builds the same whole q/k/v and upstream gradient (seeded), takes its load-balanced slice, runs
-ring_attention and allgather_attention forward and backward, gathers output, dq, dk and dv back to sequence
+ring_attention (its blocks on the registry's eager and cpu attention_block) and allgather_attention forward and
+backward, gathers output, dq, dk and dv back to sequence
 order and compares them with F.scaled_dot_product_attention on the whole sequence. Saves OUT/rank<R>.pt: a dict
 {case name: largest absolute difference over output, dq, dk, dv}.
 """
 
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from canntrain_core.parallel import context
 from canntrain_core.parallel.context import allgather_attention, gather_sequence, ring_attention, split
+from canntrain_kernels.block_attention import cpu_block_attention
 
 BATCH, HEADS, HEAD_DIM = 2, 4, 8
 
@@ -59,15 +62,17 @@ def main(out: str) -> None:
     dist.init_process_group("gloo")
     cp = dist.get_world_size()
     results = {}
-    for name, attention in (("ring", ring_attention), ("allgather", allgather_attention)):
+    ring_cpu = partial(ring_attention, block=cpu_block_attention)
+    for name, attention in (("ring", ring_attention), ("ring_cpu", ring_cpu), ("allgather", allgather_attention)):
         for chunk in (3, 4):  # odd and even chunk lengths
             seq = 2 * cp * chunk
             results[f"{name}_gqa_s{seq}"] = case(attention, seq, 2, torch.float64)
         results[f"{name}_mha_scale"] = case(attention, 2 * cp * 3, HEADS, torch.float64, scale=0.3)
         results[f"{name}_documents"] = case(attention, 2 * cp * 4, 2, torch.float64, documents=4)
         results[f"{name}_fp32"] = case(attention, 2 * cp * 4, 2, torch.float32)
-    context.RING_QUERY_TILE = 3  # the ring's blocks in tiles of 3 query rows (1024 in use): the same attention
+    context.RING_QUERY_TILE = 3  # the ring's blocks in tiles of 3 query rows (256 in use): the same attention
     results["ring_tiled_documents"] = case(ring_attention, 2 * cp * 4, 2, torch.float64, documents=4)
+    results["ring_cpu_tiled_documents"] = case(ring_cpu, 2 * cp * 4, 2, torch.float64, documents=4)
     torch.save(results, Path(out) / f"rank{dist.get_rank()}.pt")
     dist.barrier()  # no rank tears gloo down while another is still in its last exchange
     dist.destroy_process_group()

@@ -76,12 +76,17 @@ def fake_world(world_size: int) -> Iterator[None]:
 
 
 def recipe_for(shape: ModelShape, s: TrainSetup):
-    """The recipe that trains ``shape`` as ``s`` lays it out (what measure_fake hands to parallelize)."""
+    """The recipe that trains ``shape`` as ``s`` lays it out (what measure_fake hands to parallelize; the planner's
+    tests hand it to the validator, pipelines and experts included)."""
     from canntrain_core.recipe import load_recipe
 
+    pipeline = {"distributed.pipeline_schedule": s.pipeline_schedule}
+    if s.num_microbatches is not None:
+        pipeline["distributed.num_microbatches"] = s.num_microbatches
     return load_recipe(
         None,
         {
+            **(pipeline if s.pp > 1 else {}),
             **rebuild_recipe(shape),
             "model.precision": s.precision,
             "model.activation_checkpointing": s.recompute,
@@ -92,6 +97,8 @@ def recipe_for(shape: ModelShape, s: TrainSetup):
             "distributed.tensor_parallel_size": s.tp,
             "distributed.data_parallel_size": s.dp,
             "distributed.context_parallel_size": s.cp,
+            "distributed.pipeline_parallel_size": s.pp,
+            "distributed.expert_parallel_size": s.ep,
             "distributed.zero_optimization": s.zero,
             "distributed.sequence_parallel": s.tp > 1 and s.sequence_parallel,
             "distributed.vocab_parallel": s.vocab_parallel,

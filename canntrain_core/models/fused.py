@@ -176,6 +176,11 @@ def loss_cross_entropy(model_config: Any, device: str | None = None) -> Callable
     return kernels.registry.kernel("cross_entropy", select_kernels_for(model_config, "cross_entropy", device)).fn
 
 
+def ring_block_kernel(model_config: Any, device: str | None = None):
+    """The recipe's ``attention_block`` (a context-parallel ring's blocks, ``canntrain_kernels.block_attention``)."""
+    return kernels.registry.kernel("attention_block", select_kernels_for(model_config, "attention_block", device)).fn
+
+
 def select_kernels_for(model_config: Any, op: str, device: str | None = None) -> str:
     """The backend name one op resolves to for this recipe's ``model`` section."""
     default, overrides, precision = _config_fields(model_config)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from canntrain_core.models.classes import training_class
-from canntrain_core.models.fused import apply_kernels, loss_cross_entropy
+from canntrain_core.models.fused import apply_kernels, loss_cross_entropy, ring_block_kernel
 from canntrain_core.models.hf import load_weights
 from canntrain_core.models.init import init_weights, reset_buffers
 from canntrain_core.models.lm import CausalLM
@@ -68,7 +68,8 @@ def build_meta_model(
     if head == "scalar":
         with torch.device("meta"):
             model.lm_head = torch.nn.Linear(config.hidden_size, 1, bias=False)
-    schedule = parallelize(model, mesh, dims, recipe, device, trainable)
+    ring_block = ring_block_kernel(m, device.type) if dims.cp > 1 else None
+    schedule = parallelize(model, mesh, dims, recipe, device, trainable, ring_block)
     return model, schedule
 
 

@@ -77,8 +77,11 @@ class CausalLM(nn.Module):
         mask = attention_mask  # None: SDPA applies the causal mask itself
         cp = self.context_parallel
         if cp is not None:  # ring attention masks by global position and segment itself
+            context_parallel = context_parallel or cp.pipelined  # a stage's schedule passes its inputs alone
             cp.begin(context_parallel, segment_ids)
             segment_ids = None if context_parallel else segment_ids
+            if context_parallel and position_ids is None:
+                positions = cp.stage_positions(x.shape[1], x.device)
         if segment_ids is not None:  # block-diagonal causal: a token sees earlier tokens of its own sample
             same = segment_ids[:, :, None] == segment_ids[:, None, :]
             mask = (same & torch.ones_like(same[0], dtype=torch.bool).tril())[:, None]

@@ -16,11 +16,15 @@ from canntrain_core.parallel.pp import build_schedule, split_stage
 from canntrain_core.parallel.recompute import apply_recompute
 from canntrain_core.parallel.tp import apply_tp
 from canntrain_core.sizing.layout import Layout
+from canntrain_kernels.block_attention import BlockAttention, eager_block_attention
 
 
-def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool = True):
+def parallelize(
+    model, mesh, dims, recipe, device: torch.device, trainable: bool = True, ring_block: BlockAttention | None = None
+):
     """``trainable=False``: a frozen model (a reference, a reward model) is sharded like the trained one but
-    never wrapped by DDP, which has no gradient to synchronise and refuses a module without one."""
+    never wrapped by DDP, which has no gradient to synchronise and refuses a module without one. ``ring_block``:
+    the kernel registry's ``attention_block`` the recipe selects for context parallel's ring (default: eager)."""
     if dims.pp > 1:
         split_stage(model, mesh.get_local_rank("pp"), dims.pp)
     if dims.tp > 1:
@@ -28,7 +32,7 @@ def parallelize(model, mesh, dims, recipe, device: torch.device, trainable: bool
     if dims.ep > 1 or recipe.model.expert_capacity_factor is not None:
         route_experts(model, mesh["ep"] if dims.ep > 1 else None, recipe.model.expert_capacity_factor)
     if dims.cp > 1:
-        apply_context_parallel(model, mesh["cp"].get_group())
+        apply_context_parallel(model, mesh["cp"].get_group(), ring_block or eager_block_attention, dims.pp > 1)
     apply_recompute(model, recipe.model.activation_checkpointing)
     if recipe.model.compile:
         for layer in model.layers():

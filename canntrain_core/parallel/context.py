@@ -11,25 +11,30 @@ Two attentions over that layout, q/k/v shaped (batch, heads, 2c, head_dim), k/v 
 
 - ``ring_attention``: K/V circulate around the ring (point-to-point ``batch_isend_irecv``, which gloo runs as
   separate isend/irecv; HCCL and NCCL coalesce) over cp - 1 steps, the next block's transfer overlapping the
-  current block's compute. Each block gives a partial output and its log-sum-exp; they are merged with the LSE
-  correction in fp32 (fp64 for fp64 inputs). Thanks to the layout a block off the diagonal needs no mask: from
-  a lower rank, all of this rank's queries see the sender's head chunk only; from a higher rank, only this rank's
-  tail chunk sees it, all of it (half the block's work either way). The backward is explicit (ring-flash-
-  attention's): K/V circulate again, each block's attention is recomputed from the saved LSE, and the dK/dV
-  accumulators travel the ring with them, cp hops, back to their owner.
+  current block's compute. Each block is the kernel registry's ``attention_block`` (canntrain_kernels.
+  block_attention): its partial output and log-sum-exp, merged here with the LSE correction in fp32 (fp64 for fp64
+  inputs). Thanks to the layout a block off the diagonal needs no causal mask: from a lower rank, all of this
+  rank's queries see the sender's head chunk only; from a higher rank, only this rank's tail chunk sees it, all of
+  it (half the block's work either way); the diagonal block is the plain lower triangle (a rank's positions
+  increase along its slice). The backward is explicit (ring-flash-attention's): K/V circulate again, each block's
+  gradients come from the block's backward given the MERGED output and LSE, and the dK/dV accumulators travel the
+  ring with them, cp hops, back to their owner.
   Kept for backward per rank: q, k, v, out (input dtype) and the LSE (fp32), i.e. O(S / cp) -- nothing of
-  size S or S^2. Transient: one block's scores, (batch, heads, 2c, 2c) in fp32, and one K/V block in flight.
-  Sent per rank per training step: 2 (cp - 1) K/V blocks (forward and backward) and cp dK/dV blocks (fp32).
+  size S or S^2. Transient: one block's work (the eager blocks: (batch, heads, 256, 2c) fp32 scores a tile), one
+  K/V block in flight. Sent per rank per training step: 2 (cp - 1) K/V blocks (forward and backward) and cp
+  dK/dV blocks (fp32).
 - ``allgather_attention``: K/V all-gathered once, then one masked ``F.scaled_dot_product_attention`` of this
   rank's queries over the whole sequence; its backward reduce-scatters dK/dV. Simpler; received per rank per
   step: cp - 1 K/V blocks (forward), cp - 1 dK/dV blocks sent (backward). But it keeps the full sequence's
   K/V for backward (O(S) per rank) and builds a (2c, S) mask, and computes every masked-out score (about twice
   the ring's work).
 
-Measured (``benchmarks/cp_attention.py``, 2 shared CPU cores, fp32, 8 query / 2 kv heads of 64, S = 4096,
-cp = 2): all-gather 1.5 s forward+backward, ring 2.7 s (its blocks are unfused matmuls with materialised scores,
-the all-gather's one call is SDPA's fused CPU kernel); kept for backward per rank, ring 10 MiB, all-gather 44 MiB.
-On an accelerator the ring's blocks should call the device's fused attention that returns the LSE.
+Measured (``benchmarks/cp_attention.py --cp 2 --seq 4096``, 2 shared CPU cores, fp32, 8 query / 2 kv heads of 64,
+medians of 3): forward+backward per rank, the ring on the ``cpu`` blocks (torch's flash attention for CPU) 451 ms,
+on the ``eager`` blocks (tiled matmuls) 1360 ms, all-gather 914 ms; one process's SDPA over the whole row 884 ms.
+Kept for backward per rank: ring 10 MiB, all-gather 44 MiB. Hence the ring, on the device's fused block where the
+registry has one (``model.kernels: auto``; the ``npu`` block is ``npu_fusion_attention``, not run here; CUDA has
+none yet and runs the eager blocks).
 
 Both take an optional ``segment_ids`` (batch, 2c), split like the tokens: a token then attends only to earlier
 tokens of the same document (packed rows). The ids are all-gathered once (integers, no gradient).
@@ -42,12 +47,12 @@ aten._scaled_dot_product_flash_attention_for_cpu.default does not have a shardin
 handles only the CUDA flash / efficient / cuDNN SDPA ops); forcing the math backend
 (``sdpa_kernel([SDPBackend.MATH])``) fails with "RuntimeError: aten.add.Tensor got mixed torch.Tensor and DTensor"
 (the causal mask is a plain tensor). ``_set_cp_dispatcher`` does not exist in 2.13. Hence this module: plain
-torch, any backend with point-to-point ops, exact in fp64 (tests/parallel/test_context_parallel.py).
+torch, any backend with point-to-point ops, exact in fp64 (tests/parallel/test_context_parallel.py). It also does
+what torch's does not: packed rows' document masks, and pipeline stages (``ContextParallel.pipelined``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -60,6 +65,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from canntrain_core.errors import RecipeError
 from canntrain_core.families.family import layer_windows
 from canntrain_core.sizing.activations import RING_QUERY_TILE
+from canntrain_kernels.block_attention import BlockAttention, acc_dtype, eager_block_attention, softmax_scale
 
 
 # ---------------------------------------------------------------------------------------------- the layout
@@ -115,69 +121,9 @@ def _gather(x: torch.Tensor, group) -> torch.Tensor:
     return out.view(-1, *x.shape)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax statistics and merges in fp32, or fp64 for fp64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _scale(q: torch.Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-
-
 # -------------------------------------------------------------------------------- one block of attention
-# q is viewed as (batch, kv_heads, group, L, D) so that each kv head serves its group of query heads by
-# broadcasting, with no repeated K/V in memory. A mask is a bool tensor broadcastable to (B, 1, 1, Lq, Lk).
-
-
-def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    b, h, n, d = q.shape
-    if h % kv_heads:
-        raise ValueError(f"context parallel: {h} query heads are not a multiple of {kv_heads} key/value heads")
-    return q.view(b, kv_heads, h // kv_heads, n, d)
-
-
-def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    s = (q5 @ k.unsqueeze(2).transpose(-1, -2)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
-
-
-def _tiles(rows: int) -> list[slice]:
-    """A block's query rows in tiles of RING_QUERY_TILE: each row's attention is its own, so tiling is exact, and
-    the fp32 score matrices stay (tile x keys) whatever the sequence length."""
-    return [slice(i, min(i + RING_QUERY_TILE, rows)) for i in range(0, rows, RING_QUERY_TILE)]
-
-
-def _rows(mask: torch.Tensor | None, t: slice) -> torch.Tensor | None:
-    return None if mask is None else mask[..., t, :]
-
-
-def _block_forward(q5, k, v, scale, mask):
-    """A block's softmax(q k^T) v and its log-sum-exp; rows that see no key give output 0 and LSE -inf."""
-    parts = [_tile_forward(q5[..., t, :], k, v, scale, _rows(mask, t)) for t in _tiles(q5.shape[-2])]
-    return torch.cat([o for o, _ in parts], dim=-2), torch.cat([lse for _, lse in parts], dim=-1)
-
-
-def _tile_forward(q5, k, v, scale, mask):
-    s = _scores(q5, k, scale, mask)
-    top = s.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, 0.0)  # a fully masked row: exp(-inf) = 0 below, not nan
-    p = torch.exp(s - top)
-    total = p.sum(dim=-1, keepdim=True)
-    out = (p @ v.unsqueeze(2)) / torch.where(total > 0, total, 1.0)
-    return out, (top + total.log()).squeeze(-1)
-
-
-def _block_backward(q5, k, v, dout5, lse, delta, scale, mask):
-    """Gradients of one block given the final LSE and delta = rowsum(dout * out) (flash attention's backward),
-    tile by tile: dq per tile, dk and dv summed over the tiles."""
-    dqs, dk, dv = [], 0, 0
-    for t in _tiles(q5.shape[-2]):
-        p = torch.exp(_scores(q5[..., t, :], k, scale, _rows(mask, t)) - lse[..., t].unsqueeze(-1))
-        dv = dv + (p.transpose(-1, -2) @ dout5[..., t, :]).sum(dim=2)
-        ds = p * (dout5[..., t, :] @ v.unsqueeze(2).transpose(-1, -2) - delta[..., t].unsqueeze(-1)) * scale
-        dqs.append(ds @ k.unsqueeze(2))
-        dk = dk + (ds.transpose(-1, -2) @ q5[..., t, :]).sum(dim=2)
-    return torch.cat(dqs, dim=-2), dk, dv
+# A block is the kernel registry's ``attention_block`` (canntrain_kernels.block_attention): the device's fused
+# attention returning its log-sum-exp where there is one, tiled matmuls otherwise.
 
 
 def _merge(out, lse, rows, block_out, block_lse) -> None:
@@ -191,11 +137,14 @@ def _merge(out, lse, rows, block_out, block_lse) -> None:
     lse[..., rows] = new
 
 
-def _block(kv, rank: int, src: int, c: int, pos, segs, acc):
-    """This rank's query rows that see ``src``'s K/V, the key columns they see, the mask, and that K/V block."""
+def _block(kv, rank: int, src: int, c: int, segs):
+    """This rank's query rows that see ``src``'s K/V, the key columns they see, whether the block is causal (the
+    diagonal: in a rank's layout positions increase, so the mask is the plain lower triangle), both sides' segment
+    ids, and that K/V block."""
     rows, cols, causal = _plan(rank, src, c)
-    mask = _mask(rows, cols, causal, pos, None if segs is None else segs[rank], None if segs is None else segs[src])
-    return rows, cols, mask, kv[0, :, :, cols].to(acc), kv[1, :, :, cols].to(acc)
+    seg_q = None if segs is None else segs[rank][:, rows]
+    seg_k = None if segs is None else segs[src][:, cols]
+    return rows, cols, causal, seg_q, seg_k, kv[0, :, :, cols], kv[1, :, :, cols]
 
 
 def _plan(rank: int, src: int, c: int) -> tuple[slice, slice, bool]:
@@ -231,17 +180,6 @@ def ring_steps(cp: int) -> list[list[str]]:
     return steps
 
 
-def _mask(rows, cols, causal, pos, seg_q, seg_k):
-    """The (B, 1, 1, Lq, Lk) bool mask of a block, or None where it sees everything."""
-    mask = None
-    if causal:
-        mask = (pos[rows, None] >= pos[None, cols])[None, None, None]
-    if seg_q is not None:
-        same = (seg_q[:, rows, None] == seg_k[:, None, cols])[:, None, None]
-        mask = same if mask is None else mask & same
-    return mask
-
-
 # ------------------------------------------------------------------------------------------------ the ring
 def _shift(t: torch.Tensor, group, rank: int, cp: int, tag: int = 0):
     """Start sending ``t`` to the next rank and receiving the previous rank's; returns (buffer, works, t): ``t``
@@ -262,51 +200,47 @@ def _wait(works) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, segs):
+    def forward(ctx, q, k, v, group, scale, segs, block):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        c, acc = q.shape[2] // 2, _acc_dtype(q.dtype)
-        pos = positions(2 * cp * c, cp, rank, q.device)
-        q5 = _grouped(q, k.shape[1]).to(acc)
+        c, acc = q.shape[2] // 2, acc_dtype(q.dtype)
         kv = torch.stack([k, v]).contiguous()  # one message per hop
         out = lse = None
         for step in range(cp):
             src = (rank - step) % cp
             pending = _shift(kv, group, rank, cp) if step < cp - 1 else None
-            rows, _, mask, kb, vb = _block(kv, rank, src, c, pos, segs, acc)
-            block_out, block_lse = _block_forward(q5[..., rows, :], kb, vb, scale, mask)
+            rows, _, causal, seg_q, seg_k, kb, vb = _block(kv, rank, src, c, segs)
+            block_out, block_lse = block.forward(q[..., rows, :], kb, vb, causal, seg_q, seg_k, scale, RING_QUERY_TILE)
             if out is None:  # the diagonal: every row
-                out, lse = block_out, block_lse
+                out, lse = block_out.to(acc), block_lse
             else:
-                _merge(out, lse, rows, block_out, block_lse)
+                _merge(out, lse, rows, block_out.to(acc), block_lse)
             if pending is not None:
                 _wait(pending[1])
                 kv = pending[0]
-        out = out.view(q.shape).to(q.dtype)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, segs)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.block = group, scale, block
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, segs = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group, scale, block = ctx.group, ctx.scale, ctx.block
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        c, acc, kv_heads = q.shape[2] // 2, lse.dtype, k.shape[1]
-        pos = positions(2 * cp * c, cp, rank, q.device)
-        q5 = _grouped(q, kv_heads).to(acc)
-        dout5 = _grouped(dout.contiguous(), kv_heads).to(acc)
-        delta = (dout5 * _grouped(out, kv_heads).to(acc)).sum(dim=-1)
-        dq5 = torch.zeros_like(q5)
+        c, acc = q.shape[2] // 2, lse.dtype
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         traveling = None  # the dK/dV accumulator of this step's K/V, on its way from the previous rank
         for step in range(cp):
             src = (rank - step) % cp
             pending = _shift(kv, group, rank, cp) if step < cp - 1 else None
-            rows, cols, mask, kb, vb = _block(kv, rank, src, c, pos, segs, acc)
-            dq_b, dk_b, dv_b = _block_backward(
-                q5[..., rows, :], kb, vb, dout5[..., rows, :], lse[..., rows], delta[..., rows], scale, mask
-            )
-            dq5[..., rows, :] += dq_b
+            rows, cols, causal, seg_q, seg_k, kb, vb = _block(kv, rank, src, c, segs)
+            dq_b, dk_b, dv_b = block.backward(
+                dout[..., rows, :], q[..., rows, :], kb, vb, out[..., rows, :], lse[..., rows],
+                causal, seg_q, seg_k, scale, RING_QUERY_TILE,
+            )  # fmt: skip
+            dq[..., rows, :] += dq_b
             if traveling is None:
                 dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             else:
@@ -320,16 +254,26 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending[0]
         _wait(traveling[1])  # after cp hops, this rank's own K/V's gradient
         dkv = traveling[0]
-        return dq5.view(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, *, scale: float | None = None, segment_ids: torch.Tensor | None = None):
+def ring_attention(
+    q,
+    k,
+    v,
+    group=None,
+    *,
+    scale: float | None = None,
+    segment_ids: torch.Tensor | None = None,
+    block: BlockAttention = eager_block_attention,
+):
     """Causal attention of this rank's q/k/v (batch, heads, 2c, head_dim; k/v with heads or fewer) over the
     whole sequence split over ``group`` (None: the default group), K/V passed around the ring. ``scale``: the
     softmax scale, 1 / sqrt(head_dim) by default. ``segment_ids`` (batch, 2c), split like the tokens: attend
-    within one's document only. Returns this rank's output, shaped and typed like q."""
+    within one's document only. ``block``: the kernel registry's ``attention_block`` backend each block runs on.
+    Returns this rank's output, shaped and typed like q."""
     segs = _all_segment_ids(segment_ids, group)
-    return _RingAttention.apply(q, k, v, group, _scale(q, scale), segs)
+    return _RingAttention.apply(q, k, v, group, softmax_scale(q, scale), segs, block)
 
 
 # ------------------------------------------------------------------------------------------- all-gather
@@ -364,7 +308,7 @@ def allgather_attention(
         all_segs = segs.permute(1, 0, 2).flatten(1)  # (B, S), rank order like the keys
         mask = mask & (segment_ids[:, :, None] == all_segs[:, None, :])[:, None]
     return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=_scale(q, scale), enable_gqa=k.shape[1] != q.shape[1]
+        q, keys, values, attn_mask=mask, scale=softmax_scale(q, scale), enable_gqa=k.shape[1] != q.shape[1]
     )
 
 
@@ -375,10 +319,12 @@ ATTENTION_NAME = "canntrain_context_parallel"  # transformers' attention interfa
 class ContextParallel:
     """A model's context parallelism: its cp group, and for the forward under way whether its inputs are this
     rank's slices (``active``, set by ``CausalLM.forward``) and every rank's segment ids. Inactive (generation,
-    which runs every rank on whole sequences), attention is the model's own."""
+    which runs every rank on whole sequences), attention is the model's own. ``pipelined``: a pipeline stage,
+    whose forward the schedule calls with its inputs alone (always slices of unpacked rows: positions follow from
+    the layout, ``stage_positions``)."""
 
-    def __init__(self, group, fallback: str):
-        self.group, self.fallback = group, fallback
+    def __init__(self, group, fallback: str, block: BlockAttention = eager_block_attention, pipelined: bool = False):
+        self.group, self.fallback, self.block, self.pipelined = group, fallback, block, pipelined
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.active = False
         self.all_segment_ids: torch.Tensor | None = None  # every rank's, gathered once a forward (not per layer)
@@ -387,6 +333,10 @@ class ContextParallel:
         """A forward starts (``CausalLM.forward``): on this rank's slices (``active``) or on whole rows."""
         self.active = active
         self.all_segment_ids = _all_segment_ids(segment_ids, self.group) if active else None
+
+    def stage_positions(self, local_len: int, device) -> torch.Tensor:
+        """The global positions (1, local_len) of this rank's slice of an unpacked row."""
+        return positions(local_len * self.size, self.size, self.rank, device)[None]
 
     def split_batch(self, x, targets, position_ids=None, segment_ids=None) -> tuple:
         """This rank's slices of whole rows (targets shifted already, so a chunk's last target is the next
@@ -397,7 +347,7 @@ class ContextParallel:
         return split(x, n, r, 1), split(targets, n, r, 1), pos, segs
 
     def attention(self, q, k, v, scale) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self.group, _scale(q, scale), self.all_segment_ids)
+        return _RingAttention.apply(q, k, v, self.group, softmax_scale(q, scale), self.all_segment_ids, self.block)
 
     def kernel_attention(self, own):
         """The kernel registry's attention op (``models.fused``), ring attention while active."""
@@ -421,16 +371,20 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
     return cp.attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
 
 
-def apply_context_parallel(model, group) -> ContextParallel:
-    """Route every attention of ``model`` (a CausalLM) through ring attention over ``group``: transformers'
-    attention interface, or the kernel registry's attention op where ``model.kernels`` replaced the modules."""
+def apply_context_parallel(
+    model, group, block: BlockAttention = eager_block_attention, pipelined: bool = False
+) -> ContextParallel:
+    """Route every attention of ``model`` (a CausalLM) through ring attention over ``group``, each block on
+    ``block`` (the registry's ``attention_block`` the recipe's kernels select): transformers' attention interface,
+    or the kernel registry's attention op where ``model.kernels`` replaced the modules. ``pipelined``: ``model``
+    is a pipeline stage (every forward on this rank's slices)."""
     if any(w is not None for w in layer_windows(model.config)):
         raise RecipeError(
             "distributed.context_parallel_size > 1 with a sliding-window attention (the model's sliding_window) is "
             "not built yet: ring attention masks by global position only"
         )
     AttentionInterface.register(ATTENTION_NAME, _transformers_attention)
-    cp = ContextParallel(group, model.config._attn_implementation)
+    cp = ContextParallel(group, model.config._attn_implementation, block, pipelined)
     for layer in model.layers():
         attn = layer.self_attn
         attn.context_parallel = cp

@@ -203,7 +203,8 @@ def context_parallel_pays(seq_length: int, cp: int) -> bool:
 
 def _context_parallel_problems(L: Layout) -> list[str]:
     """What context parallelism runs with: FSDP2 over dp x cp, whole rows cut in 2 x cp chunks (parallel/context.py),
-    TP with or without sequence parallel; not yet pipeline or expert parallel."""
+    TP with or without sequence parallel, pipeline parallel (whose unpacked rows give every stage its positions);
+    not yet expert parallel."""
     out = []
     key = f"distributed.context_parallel_size={L.cp}"
     if L.zero == 0:
@@ -216,12 +217,8 @@ def _context_parallel_problems(L: Layout) -> list[str]:
             f"{key} cuts each row into 2 x {L.cp} chunks: data.seq_length={L.seq_length} must be a multiple "
             f"of {2 * L.cp}"
         )
-    for other, on in (
-        ("pipeline_parallel_size > 1", L.pp > 1),
-        ("expert_parallel_size > 1", L.ep > 1),
-    ):
-        if on:
-            out.append(f"{key} with distributed.{other} is not supported yet")
+    if L.ep > 1:
+        out.append(f"{key} with distributed.expert_parallel_size > 1 is not supported yet")
     return out
 
 

@@ -66,7 +66,8 @@ def cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk_size:
     return chunked_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, chunk_fn=_chunk_fn)
 
 
-_FNS = {op: _compiled(getattr(reference, op)) for op in OPS if op not in ("cross_entropy", "expert_mlp")}
+_UNCOMPILED = ("cross_entropy", "expert_mlp", "attention_block")  # the loss: its own chunk_fn; the others: none
+_FNS = {op: _compiled(getattr(reference, op)) for op in OPS if op not in _UNCOMPILED}
 _FNS["cross_entropy"] = cross_entropy
 
 for _op in _FNS:

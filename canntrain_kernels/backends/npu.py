@@ -14,7 +14,12 @@ Signatures (torch_npu / op-plugin documentation):
   inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, ...)
   -> (out, softmax_max, softmax_sum, softmax_in, seed, offset, numels)``. atten_mask is True where
   masked; sparse_mode 3 (right-down causal) and 4 (band, keeps i-pre <= j <= i+next) take the
-  compressed 2048x2048 upper-triangular mask. GQA: Hq must be a multiple of Hkv.
+  compressed 2048x2048 upper-triangular mask. GQA: Hq must be a multiple of Hkv. softmax_max and softmax_sum
+  are (B, N, S, 8) fp32, the row's statistic repeated 8 times: its log-sum-exp is max + log(sum).
+* ``torch_npu.npu_fusion_attention_grad(q, k, v, dy, head_num, input_layout, *, atten_mask=None,
+  softmax_max=None, softmax_sum=None, softmax_in=None, attention_in=None, scale_value=1., keep_prob=1., ...,
+  sparse_mode=0) -> (dq, dk, dv, dpse)``. Given a merged result's max = lse and sum = 1 with the merged output
+  as attention_in, it gives one ring block's share of the gradients (MindSpeed's ring attention does this).
 
 torch_npu is imported on first use only; on a machine without it every kernel here is
 unavailable with the reason, and the registry never selects them.
@@ -28,6 +33,15 @@ import importlib
 import torch
 
 from canntrain_kernels import reference
+from canntrain_kernels.block_attention import (
+    DEFAULT_TILE,
+    BlockAttention,
+    check_block,
+    finite_lse,
+    keep_mask,
+    softmax_scale,
+    tiles,
+)
 from canntrain_kernels.cross_entropy import chunked_cross_entropy
 from canntrain_kernels.registry import Kernel, register
 
@@ -94,6 +108,52 @@ def attention(q, k, v, causal: bool = True, window: int | None = None, scale: fl
     return out[0]
 
 
+def _block_masks(q, k, causal, seg_q, seg_k, tile):
+    """(query rows, npu_fusion_attention's mask arguments, keep mask or None) for each piece of a ring block: the
+    whole block with the compressed causal mask (or none), or tiles of rows with their document mask (True where
+    masked), so a packed block's mask takes (B, tile, Lk) bytes."""
+    if seg_q is None:
+        masks = dict(atten_mask=_compressed_causal_mask(str(q.device)), sparse_mode=3) if causal else {}
+        return [(slice(0, q.shape[2]), masks, None)]
+    pieces = []
+    for t in tiles(q.shape[2], tile):
+        keep = keep_mask(causal, seg_q, seg_k, t, k.shape[2], q.device)
+        pieces.append((t, dict(atten_mask=~keep[:, None], sparse_mode=0), keep))
+    return pieces
+
+
+def block_forward(q, k, v, causal=True, seg_q=None, seg_k=None, scale=None, tile=DEFAULT_TILE):
+    """A ring block by npu_fusion_attention; lse = softmax_max + log(softmax_sum); rows that see no key: 0, -inf."""
+    check_block(q, k, causal, seg_q, seg_k)
+    outs, lses = [], []
+    for rows, masks, keep in _block_masks(q, k, causal, seg_q, seg_k, tile):
+        out, smax, ssum, *_ = _torch_npu().npu_fusion_attention(
+            q[..., rows, :], k, v, q.shape[1], "BNSD", scale=softmax_scale(q, scale), keep_prob=1.0, **masks
+        )
+        lse = smax[..., 0].float() + ssum[..., 0].float().log()
+        if keep is not None:
+            seen = keep.any(-1)[:, None]
+            lse, out = lse.masked_fill(~seen, float("-inf")), out.masked_fill(~seen[..., None], 0.0)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def block_backward(dout, q, k, v, out, lse, causal=True, seg_q=None, seg_k=None, scale=None, tile=DEFAULT_TILE):
+    """A ring block's gradients by npu_fusion_attention_grad from the merged output and lse (max = lse, sum = 1)."""
+    stat = finite_lse(lse).float().unsqueeze(-1).expand(*lse.shape, 8).contiguous()
+    ones, out, dq, dk, dv = torch.ones_like(stat), out.to(q.dtype), [], 0, 0
+    for rows, masks, _ in _block_masks(q, k, causal, seg_q, seg_k, tile):
+        grads = _torch_npu().npu_fusion_attention_grad(
+            q[..., rows, :], k, v, dout[..., rows, :].contiguous(), q.shape[1], "BNSD",
+            softmax_max=stat[..., rows, :].contiguous(), softmax_sum=ones[..., rows, :].contiguous(),
+            attention_in=out[..., rows, :].contiguous(), scale_value=softmax_scale(q, scale), keep_prob=1.0, **masks,
+        )  # fmt: skip
+        dq.append(grads[0])
+        dk, dv = dk + grads[1].float(), dv + grads[2].float()
+    return torch.cat(dq, dim=2), dk, dv
+
+
 def cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk_size: int | None = None):
     """The chunked cross-entropy of the reference (matmul + logsumexp per chunk run as CANN ops)."""
     return chunked_cross_entropy(hidden, weight, targets, ignore_index, chunk_size)
@@ -121,5 +181,6 @@ for _op, _fn in {
     "attention": attention,
     "cross_entropy": cross_entropy,
     "expert_mlp": expert_mlp,
+    "attention_block": BlockAttention(block_forward, block_backward),
 }.items():
     register(Kernel(_op, "npu", _fn, devices=("npu",), probe=_probe, note="torch_npu"))

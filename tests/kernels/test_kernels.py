@@ -173,3 +173,44 @@ def test_chunked_cross_entropy_peak_memory_is_lower():
     logits_bytes = n * v * 4
     assert plain >= 2 * logits_bytes  # logits and their gradient, at least
     assert chunked < logits_bytes  # never even one full [N, V] fp32 logits tensor
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["small", "odd"])  # odd: 37 rows in tiles of 12, 8 query heads per K/V head
+def test_cpu_flash_attention_block_matches_fp64_reference(shape, dtype):
+    rec = check_one("attention_block", "cpu", dtype, shape, device="cpu", timing=False)
+    assert rec.status == "pass", rec
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpu"])
+def test_an_off_diagonal_block_of_packed_rows_leaves_rows_without_keys_at_zero(backend):
+    """A ring's block from another rank (rectangular, no causal mask) where some queries' documents have no key
+    in it: those rows give output 0 and lse -inf (the merge ignores them); the others match the definition."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64) for n in (6, 5, 5))
+    seg_q = torch.tensor([[0, 0, 1, 1, 2, 2], [1, 1, 1, 1, 1, 1]])
+    seg_k = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]])  # document 2 (row 0) and 1 (row 1) see nothing
+    dout = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64)
+    results = []
+    for fn in (kernels.reference.attention_block, registry.kernel("attention_block", backend).fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k[:, :2], v[:, :2])]
+        out, lse = fn(*leaves, causal=False, seg_q=seg_q, seg_k=seg_k, tile=4)
+        results.append((out, lse, torch.autograd.grad(out, leaves, dout)))
+    (want, want_lse, want_grads), (out, lse, grads) = results
+    blind = torch.tensor([[False, False, False, False, True, True], [True] * 6])[:, None].expand(2, 4, 6)
+    assert torch.isneginf(lse[blind]).all() and torch.isfinite(lse[~blind]).all()
+    assert out[blind].abs().max() == 0
+    torch.testing.assert_close(lse[~blind], want_lse[~blind], rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+
+
+def test_a_default_backend_without_an_op_runs_it_eager_and_an_override_stays_strict():
+    assert registry.resolve("compile")["expert_mlp"] == "eager"
+    assert registry.resolve("compile")["attention_block"] == "eager"
+    assert registry.resolve("cpu") == {**{op: "eager" for op in OPS}, "attention_block": "cpu"}
+    assert registry.resolve("auto")["attention_block"] == "auto"
+    assert kernels.select("attention_block", "auto", "cpu").backend == "cpu"
+    with pytest.raises(kernels.KernelUnavailable, match="backend 'compile' has no attention_block kernel"):
+        kernels.select("attention_block", registry.resolve("eager", {"attention_block": "compile"})["attention_block"])

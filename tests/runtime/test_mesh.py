@@ -56,11 +56,11 @@ def test_zero_stage_picks_shard_or_replicate():
             {
                 "distributed.world_size": 4,
                 "distributed.context_parallel_size": 2,
-                "distributed.pipeline_parallel_size": 2,
+                "distributed.expert_parallel_size": 2,
+                "distributed.data_parallel_size": 2,
                 "distributed.zero_optimization": 3,
-                "optim.grad_accum_steps": 2,
             },
-            "context_parallel_size=2 with distributed.pipeline_parallel_size > 1 is not supported yet",
+            "context_parallel_size=2 with distributed.expert_parallel_size > 1 is not supported yet",
         ),
         (
             {
