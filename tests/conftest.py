@@ -195,7 +195,7 @@ class SFTRun:
 
 @pytest.fixture(scope="session")
 def sft_run(pretrained, data_cache) -> SFTRun:
-    """400 steps of full SFT on sort/uppercase from ``pretrained``, exact match scored before and after; the trainer
+    """250 steps of full SFT on sort/uppercase from ``pretrained``, exact match scored before and after; the trainer
     is the finished run's, resumed from its last checkpoint."""
     from canntrain_core.checkpoint.export import export_hf
     from canntrain_core.data.cache import file_lock
@@ -211,10 +211,10 @@ def sft_run(pretrained, data_cache) -> SFTRun:
                 "model.init_from": str(pretrained),
                 "data.source": str(d / TASKS),
                 "data.cache_dir": data_cache,
-                "optim.max_steps": 400,
+                "optim.max_steps": 250,
                 "optim.lr": 3e-3,
                 "logging.log_interval": 50,
-                "logging.eval_interval": 400,
+                "logging.eval_interval": 250,
                 "logging.eval_exact_match": 64,
             },
         )

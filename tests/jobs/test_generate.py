@@ -215,7 +215,7 @@ def test_an_sft_export_answers_with_transformers_alone_as_canntrain_generate_doe
         assert c.ids == theirs[: len(c.ids)] and c.ended == (tok.eos_token_id in theirs)
         assert c.text == tok.decode(theirs[: len(c.ids) - c.ended])
         right += c.text.strip() == conv.answer
-    assert right >= 1, [c.text for c in done]  # the fine-tuned model answers some (0.39 exact match held out)
+    assert right >= 1, [c.text for c in done]  # the fine-tuned model answers some (0.30 exact match held out)
     # the command line prints the same answers
     assert (
         main(

@@ -1,7 +1,7 @@
 """Fine-tuning: instruction formats and loss masks, packing, full SFT on the verifiable task, LoRA via peft.
 
-Measured here (tiny Llama pretrained 60 steps on the stdlib, then 400 SFT steps of 32 packed rows on
-the sort/uppercase task): held-out exact match 0.0 before, 0.39 after (25 of 64); the test asserts >= 0.2.
+Measured here (tiny Llama pretrained 60 steps on the stdlib, then 250 SFT steps of 32 packed rows on
+the sort/uppercase task): held-out exact match 0.0 before, 0.30 after (19 of 64); the test asserts >= 0.2.
 LoRA: peft's PeftModel.from_pretrained on the export gives canntrain's logits to 0.0, the merged export
 to 3e-6 (tolerance 1e-4); LoRA under FSDP2 on 2 gloo ranks matches one process to ~1e-6.
 """
@@ -182,7 +182,7 @@ def test_real_tokens_per_second_is_the_intervals_share_of_real_tokens(tmp_path, 
 
 def test_sft_on_the_verifiable_task_raises_held_out_exact_match(sft_run):
     em = [r["val_exact_match"] for r in read_metrics(sft_run.run_dir) if "val_exact_match" in r]
-    assert em[0] <= 0.05 and em[-1] >= 0.2, em  # measured 0.0 -> 0.39
+    assert em[0] <= 0.05 and em[-1] >= 0.2, em  # measured 0.0 -> 0.30
     # the batched KV-cached decode (the default) gives the answers of the plain one-prompt-at-a-time decode
     t = sft_run.trainer
     cached, plain = (
