@@ -280,7 +280,7 @@ def test_sft_and_lora_under_fsdp2_tp2_sp_and_cp2_on_2_ranks_match_one_process(sf
         "data.batch_size": 8,
         "optim.max_steps": 6,
         "logging.eval_interval": 6,
-        "optim.lr": 3e-3,
+        "optim.lr": 1e-3,  # 3e-3 knocks the 250-step model's 3 of 8 right answers to none in these 6 steps
         "logging.eval_exact_match": 8,
     }
     layouts = {"sft": {}, "lora": {"lora.enabled": True, "lora.dropout": 0.0}}  # dropout draws differ by layout
