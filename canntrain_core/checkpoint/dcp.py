@@ -154,6 +154,12 @@ def find_resumable(ckpt_root: str | Path) -> tuple[Path | None, list[tuple[Path,
     return None, damaged
 
 
+def complete_checkpoints(ckpt_root: str | Path) -> list[Path]:
+    """The checkpoints whose save finished (the manifest is written last, then the directory renamed into place),
+    oldest first, without reading their files: what a failing run names to resume from (resuming verifies it)."""
+    return [p for p in list_checkpoints(ckpt_root) if (p / MANIFEST).is_file()]
+
+
 def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
     """The newest checkpoint that verifies; damaged ones are never picked."""
     return find_resumable(ckpt_root)[0]
@@ -214,8 +220,7 @@ def save_checkpoint(
         os.rename(tmp, final)  # atomic on one file system: step_N appears complete or not at all
         if keep_last:
             # Only complete checkpoints count; damaged ones were renamed aside and are never deleted.
-            complete = [p for p in list_checkpoints(root) if (p / MANIFEST).is_file()]
-            for old in complete[:-keep_last]:
+            for old in complete_checkpoints(root)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final

@@ -418,7 +418,9 @@ class Trainer:
         return grad_norm
 
     def _last_checkpoint(self) -> Path | None:
-        done = checkpoint.list_checkpoints(self.ckpt_root)
+        """The newest complete checkpoint, named when a run stops (NaN, a hung collective, out of memory); not
+        hashed: on a 70B model that would read the whole checkpoint on every rank in a failure path."""
+        done = checkpoint.complete_checkpoints(self.ckpt_root)
         return done[-1] if done else None
 
     def log_record(self, raw: dict, last: bool) -> dict[str, Any]:
@@ -570,10 +572,8 @@ class Trainer:
         self._release_memory()  # the diagnosis needs a little memory itself
         budget = self.recipe.distributed.memory_budget_gb
         capacity = budget * 2**30 if budget else self.acc.memory_capacity_bytes() or 0
-        last = checkpoint.latest_checkpoint(self.ckpt_root)
-        where = f"the last checkpoint, {last}, is intact" if last else "no checkpoint was written yet"
         hint = oom_hint(self.recipe, capacity, self.model_config)
-        return OutOfMemory(f"step {self.step + 1}: {error}\n{hint}\n{where}")
+        return OutOfMemory(f"step {self.step + 1}: {error}\n{hint}\n{checkpoint_sentence(self._last_checkpoint())}")
 
     def _expert_balance(self) -> dict[str, Any]:
         """Routed tokens per layer and expert since the last log, over all ranks (``expert_tokens``: a list per

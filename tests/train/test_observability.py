@@ -106,7 +106,7 @@ def test_a_memory_budget_ends_the_run_with_the_out_of_memory_diagnosis(tmp_path,
     assert r.returncode == 3, r.stderr[-2000:]
     said = r"(?s)canntrain train: step 1: .*allocate memory.*per device .* against 5\.0 MiB available"
     assert re.search(said, r.stderr)
-    assert "no checkpoint was written yet" in r.stderr
+    assert "No checkpoint was written yet." in r.stderr
 
 
 def test_a_gradient_norm_spike_is_reported(tmp_path, fast_recipe, capsys):
