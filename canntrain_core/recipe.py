@@ -89,8 +89,26 @@ class ModelConfig(_Section):
 
 
 class TokenizerConfig(_Section):
+    # A pretrained tokenizer directory (tokenizer.json, or a SentencePiece tokenizer.model): pretraining from
+    # scratch with Llama's, Qwen's or Mistral's own vocabulary. Unset: a prepared dataset's tokenizer, else
+    # model.init_from's, else a byte-level BPE (`type`) trained here on `sample_bytes` of the corpus.
+    path: str | None = None
     type: Literal["bpe"] = "bpe"
+    # The model's embedding rows. Unset: the pretrained or prepared tokenizer's own size (4096 for one trained
+    # here); set: at least the tokenizer's size (extra rows pad, as Megatron's make-vocab-size-divisible-by).
     vocab_size: int = Field(4096, ge=260, le=2**20)
+    # Text a tokenizer trained here learns from: spread over the corpus, never all of a large one.
+    sample_bytes: int = Field(100_000_000, gt=0)
+
+
+class SourceWeight(_Section):
+    """One source of a mixture (``data.sources``): a prepared dataset (``canntrain prepare``), a Megatron
+    ``.bin``/``.idx`` prefix, or raw records / text as ``data.source`` takes them."""
+
+    path: str
+    weight: float = Field(1.0, gt=0)
+    # how its metrics are named (tokens/<name>); unset: the path's last part
+    name: str | None = None
 
 
 class TemplateConfig(_Section):
@@ -116,12 +134,19 @@ SFT_DATA_KEYS = ("format", "train_on", "truncation", "packing", "template", "cha
 
 
 class DataConfig(_Section):
-    # "stdlib" (this interpreter's standard-library .py files), a directory of text files,
-    # or a .jsonl file whose records hold text under `text_field`. For train_mode sft: a .jsonl file
-    # of instruction records (alpaca, messages or ShareGPT; see canntrain_core/finetune/records.py).
-    source: str = "stdlib"
+    # What to train on (one of source / sources). Pretraining: a prepared dataset (`canntrain prepare`), a
+    # Megatron .bin/.idx prefix, or raw text prepared in process on first use: "stdlib" (this interpreter's
+    # standard-library .py files), a directory, .jsonl / .jsonl.gz / .jsonl.zst / .parquet files, a datasets
+    # directory or a glob (records hold the text under `text_field`). Other stages: instruction or preference
+    # records in those record formats (alpaca, messages or ShareGPT; see canntrain_core/finetune/records.py).
+    source: str | None = None
+    # A weighted mixture instead: [{path, weight, name}, ...]; samples are drawn by weight (token-weighted for
+    # pretraining, whose samples are all seq_length tokens), deterministically, each source on its own epochs.
+    sources: list[SourceWeight] | None = Field(None, min_length=1)
+    # A source drawn more than this many times over (epochs) in optim.max_steps is refused before training.
+    max_source_epochs: float | None = Field(None, gt=0)
     text_field: str = "text"
-    # Deterministic subset of the corpus, so tiny recipes tokenize in seconds.
+    # Deterministic subset of a raw corpus, so tiny recipes tokenize in seconds (a prepared one is used whole).
     max_bytes: int | None = Field(None, gt=0)
     max_files: int | None = Field(None, gt=0)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -153,7 +178,18 @@ class DataConfig(_Section):
     def _workers(self) -> "DataConfig":
         if self.persistent_workers and self.num_workers == 0:
             raise ValueError("persistent_workers needs num_workers > 0")
+        if self.source is not None and self.sources is not None:
+            raise ValueError("give data.source or data.sources, not both (set data.source=null to use sources)")
         return self
+
+    @property
+    def mixture(self) -> list[SourceWeight]:
+        """The sources with their weights: ``data.sources``, or ``data.source`` alone with weight 1."""
+        if self.sources is not None:
+            return list(self.sources)
+        if self.source is None:
+            raise ValueError("data.source: not set; name the data to train on (data.source or data.sources)")
+        return [SourceWeight(path=self.source)]
 
 
 class OptimConfig(_Section):
@@ -436,11 +472,10 @@ class Recipe(_Section):
             unread += ["data.format"] * (self.train_mode in ("reward", "dpo") and self.data.format != default.format)
             if unread:
                 raise ValueError(f"{', '.join(unread)}: train_mode {self.train_mode} does not read these")
-        if self.train_mode != "pretrain" and not self.data.source.endswith(".jsonl"):
+        named = [self.data.source] if self.data.sources is None else [s.path for s in self.data.sources]
+        if self.train_mode != "pretrain" and "stdlib" in named:
             what = "preference pairs" if self.train_mode in ("reward", "dpo") else "instruction records"
-            raise ValueError(
-                f"data.source: train_mode {self.train_mode} reads a .jsonl file of {what}, got {self.data.source!r}"
-            )
+            raise ValueError(f"data.source: train_mode {self.train_mode} reads {what} (record files), not 'stdlib'")
         default = RLHFConfig()
         stray = [
             f"rlhf.{k}"

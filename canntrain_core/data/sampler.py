@@ -1,123 +1,186 @@
-"""An infinite, resumable, data-parallel sampler.
+"""An infinite, resumable, data-parallel sampler over one source or a weighted mixture of several.
 
-Epoch e visits ``torch.randperm(num_samples)`` drawn from a generator seeded with ``seed + e``;
-data-parallel rank r takes every dp_size-th index starting at r, cut to ``num_samples // dp_size``
-so all ranks step in lockstep and no sample is seen twice in an epoch.
+The job draws one global stream of samples. Draw ``g`` comes from source ``k`` as that source's draw number
+``s`` (``data.order.Mixture``: sources interleaved by weight); source ``k`` with ``n_k`` samples serves its
+draw ``s`` as sample ``Permutation(n_k, seed of (k, s // n_k))(s % n_k)`` of its epoch ``s // n_k``. Data-parallel
+rank ``r`` of ``dp`` takes draws ``consumed + r``, ``consumed + r + dp``, ... So:
 
-The position is advanced by the trainer, not by iteration. A DataLoader pulls indices ahead of
-what the trainer has consumed (prefetch, worker queues), so counting yielded indices would save a
-checkpoint that skips data. The trainer calls :meth:`ResumableSampler.advance` with the number of
-samples it actually consumed; :meth:`state_dict` reports that, and a new iterator starts there.
+- the position is one number, the draws consumed by the whole job (plus the seed and the sources' sizes
+  and weights, which a resume checks). A run resumed on another data-parallel size goes on from the same
+  draw: nothing of the epoch is repeated or skipped, whatever the sizes divide;
+- nothing of the size of a source is drawn or held; each index costs O(1);
+- tokens consumed per source are a closed form of the position (:meth:`ResumableSampler.consumed_per_source`).
+
+The position is advanced by the trainer, not by iteration. A DataLoader pulls indices ahead of what the trainer
+has consumed (prefetch, worker queues), so counting yielded indices would save a checkpoint that skips data. The
+trainer calls :meth:`ResumableSampler.advance` with the samples this rank consumed; :meth:`state_dict` reports
+the job's position, and a new iterator starts there.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
-import torch
+import numpy as np
 from torch.utils.data import Sampler
 
 from canntrain_core.data.cache import DataError
+from canntrain_core.data.order import Mixture, Permutation, mix64
 
-_STATE_KEYS = ("seed", "epoch", "position", "dp_rank", "dp_size")
+_BLOCK = 4096  # indices computed at a time by an iterator
 
 
 class ResumableSampler(Sampler[int]):
-    """Yields dataset indices forever; see the module docstring for order and state.
+    """Yields indices into the concatenation of the sources forever; see the module docstring.
 
-    It deliberately has no ``__len__``: it never ends, and a length would let a DataLoader
-    pretend an epoch is a finite pass. ``samples_per_epoch`` is the per-rank epoch length.
+    ``sizes``: samples per source (an int for one source); ``weights``: the mixture (None: one source, or
+    proportional to the sizes); ``sources``: each source's (name, fingerprint), which a resume checks.
+    It has no ``__len__``: it never ends, and a length would let a DataLoader
+    pretend an epoch is a finite pass. ``samples_per_epoch`` is one pass's draws per rank.
     """
 
-    def __init__(self, num_samples: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self,
+        sizes: int | Sequence[int],
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        weights: Sequence[float] | None = None,
+        sources: Sequence[tuple[str, str]] | None = None,
+    ):
+        sizes = [sizes] if isinstance(sizes, int) else [int(n) for n in sizes]
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if num_samples < dp_size:
+        if min(sizes) < 1 or sum(sizes) < dp_size:
             raise DataError(
-                f"{num_samples} training samples cannot feed {dp_size} data-parallel ranks; "
-                "raise data.max_bytes or lower data.seq_length"
+                f"{sum(sizes)} training samples ({', '.join(map(str, sizes))} per source) cannot feed {dp_size} "
+                "data-parallel ranks; raise data.max_bytes, give more data or lower data.seq_length"
             )
-        self.num_samples = num_samples
+        self.sizes = sizes
+        self.weights = [float(w) for w in weights] if weights is not None else [float(n) for n in sizes]
+        if len(self.weights) != len(sizes):
+            raise ValueError(f"{len(self.weights)} weights for {len(sizes)} sources")
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.mixture = Mixture(self.weights)
         self.seed = seed
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.epoch = 0
-        self.position = 0  # samples this rank has consumed in the current epoch
+        self.consumed = 0  # draws of the whole job so far
+        self.sources = [list(x) for x in sources] if sources is not None else None
+        self._perms: dict[tuple[int, int], Permutation] = {}
+
+    # ------------------------------------------------------------------ where we are
+    @property
+    def num_samples(self) -> int:
+        return sum(self.sizes)
 
     @property
     def samples_per_epoch(self) -> int:
-        """Samples each rank sees per epoch (the same on every rank)."""
+        """Draws each rank makes in one pass over the sources (the same on every rank)."""
         return self.num_samples // self.dp_size
 
-    def epoch_indices(self, epoch: int) -> list[int]:
-        """This rank's indices for `epoch`, in order."""
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        perm = torch.randperm(self.num_samples, generator=g)
-        return perm[self.dp_rank :: self.dp_size][: self.samples_per_epoch].tolist()
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.num_samples
+
+    def consumed_per_source(self) -> list[int]:
+        """Samples drawn from each source by the whole job so far."""
+        return [int(c) for c in self.mixture.counts(self.consumed)]
+
+    def epochs_per_source(self, draws: int) -> list[float]:
+        """Passes over each source that ``draws`` draws of the job make."""
+        return [c / n for c, n in zip(self.mixture.counts(draws), self.sizes)]
+
+    def limit(self, n: int) -> None:
+        """Draw only from the first ``n`` samples of the first source (``canntrain overfit``: its first rows,
+        drawn again and again)."""
+        self.sizes, self.weights = [max(1, min(n, self.sizes[0]))], [1.0]
+        self.offsets, self.mixture, self._perms = np.zeros(1, dtype=np.int64), Mixture([1.0]), {}
+
+    # ------------------------------------------------------------------ which sample
+    def _perm(self, source: int, epoch: int) -> Permutation:
+        key = (source, epoch)
+        if key not in self._perms:
+            if len(self._perms) > 64:
+                self._perms.clear()
+            salt = mix64(np.array([self.seed, source * 1_000_003 + epoch], dtype=np.uint64))
+            self._perms[key] = Permutation(self.sizes[source], int(salt[0] ^ salt[1]) & 0xFFFFFFFF)
+        return self._perms[key]
+
+    def indices(self, draws: np.ndarray) -> np.ndarray:
+        """Dataset index (into the sources' concatenation) of each global draw."""
+        src, s = self.mixture.locate(draws)
+        sizes = np.asarray(self.sizes, dtype=np.int64)[src]
+        epoch, within = np.divmod(s, sizes)
+        out = np.empty(len(draws), dtype=np.int64)
+        for k, e in set(zip(src.tolist(), epoch.tolist())):
+            sel = (src == k) & (epoch == e)
+            out[sel] = self.offsets[k] + self._perm(k, e)(within[sel])
+        return out
 
     def __iter__(self) -> Iterator[int]:
         # Snapshot: advancing the sampler later must not disturb an iterator already running.
-        epoch, position = self.epoch, self.position
+        g = self.consumed + self.dp_rank
         while True:
-            yield from self.epoch_indices(epoch)[position:]
-            epoch, position = epoch + 1, 0
+            draws = g + self.dp_size * np.arange(_BLOCK, dtype=np.int64)
+            yield from self.indices(draws).tolist()
+            g += self.dp_size * _BLOCK
 
     def advance(self, n: int) -> None:
-        """Record that the trainer consumed `n` more samples on this rank (rolls over epochs)."""
+        """Record that this rank consumed ``n`` more samples (every rank consumes the same number per step)."""
         if n < 0:
             raise ValueError(f"advance(n) needs n >= 0, got {n}")
-        epochs, self.position = divmod(self.position + n, self.samples_per_epoch)
-        self.epoch += epochs
+        self.consumed += n * self.dp_size
 
-    @property
-    def consumed_samples(self) -> int:
-        """Samples consumed on this rank since epoch 0."""
-        return self.epoch * self.samples_per_epoch + self.position
-
+    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {
             "seed": self.seed,
-            "epoch": self.epoch,
-            "position": self.position,
-            "dp_rank": self.dp_rank,
+            "consumed_samples": self.consumed,
+            "sizes": list(self.sizes),
+            "weights": list(self.weights),
             "dp_size": self.dp_size,
-            "num_samples": self.num_samples,
+            **({"sources": self.sources} if self.sources is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved state; the saved seed wins so the resumed order is the original one.
-
-        A state saved with another dp_size is converted through the global count of samples
-        consumed in the current epoch. Ranks interleave (rank r holds perm[r::dp]), so the
-        consumed samples are exactly perm[:position * old_dp_size] under any dp_size; the new
-        position is that count // new dp_size. When it does not divide, up to dp_size - 1
-        samples are seen twice in this epoch (never skipped). Ranks keep their own dp_rank.
-        """
-        missing = [k for k in _STATE_KEYS if k not in state]
-        if missing:
-            raise DataError(f"sampler state is missing {', '.join(missing)}; got keys {sorted(state)}")
-        saved_n = state.get("num_samples", self.num_samples)
-        if saved_n != self.num_samples:
+        """Continue from a saved state on any data-parallel size; the saved seed wins so the resumed order is the
+        original one. Other sources (sizes) or another mixture (weights) than the checkpoint's is drift."""
+        if "consumed_samples" not in state:
             raise DataError(
-                f"sampler state was saved for {saved_n} training samples but this dataset has "
-                f"{self.num_samples}; the data (corpus, tokenizer or seq_length) changed since the checkpoint"
+                f"sampler state has no consumed_samples (keys {sorted(state)}): a checkpoint from before the "
+                "global data position; resume it with the canntrain that wrote it"
             )
-        epoch, position, old_dp = int(state["epoch"]), int(state["position"]), int(state["dp_size"])
-        if position < 0 or epoch < 0 or old_dp < 1:
+        sizes, weights = list(state.get("sizes", self.sizes)), list(state.get("weights", self.weights))
+        if sizes != self.sizes:
+            raise DataError(
+                f"the checkpoint was saved for {sizes} training samples per source but the data now has "
+                f"{self.sizes}; the data (sources, tokenizer or seq_length) changed since the checkpoint"
+            )
+        if not np.allclose(np.asarray(weights) / sum(weights), self.mixture.weights):
+            raise DataError(
+                f"the checkpoint's mixture weights {weights} differ from data.sources' {self.weights}: a changed "
+                "mixture would draw other samples; keep the weights, or start a new run from its weights"
+            )
+        saved = state.get("sources")
+        if saved is not None and self.sources is not None:
+            for k, ((name, was), (_, now)) in enumerate(zip(saved, self.sources)):
+                if was != now:
+                    raise DataError(
+                        f"data source {name} changed since the checkpoint (fingerprint {was[:12]} -> {now[:12]}): "
+                        "its samples are other tokens now; resume with the data it was trained on"
+                    )
+        consumed = int(state["consumed_samples"])
+        if consumed < 0:
             raise DataError(f"sampler state has invalid values: {state}")
         self.seed = int(state["seed"])
-        self.epoch = epoch
-        self.position = 0
-        if old_dp == self.dp_size:
-            self.advance(position)
-        else:
-            consumed_globally = position * old_dp
-            self.advance(consumed_globally // self.dp_size)
+        self._perms = {}
+        self.consumed = consumed
 
     def __repr__(self) -> str:
         return (
-            f"ResumableSampler(num_samples={self.num_samples}, seed={self.seed}, rank {self.dp_rank}/"
-            f"{self.dp_size}, epoch {self.epoch}, position {self.position}/{self.samples_per_epoch})"
+            f"ResumableSampler(sizes={self.sizes}, seed={self.seed}, rank {self.dp_rank}/{self.dp_size}, "
+            f"consumed {self.consumed} (epoch {self.epoch}))"
         )
 
 

@@ -1,9 +1,14 @@
-"""A byte-level BPE tokenizer trained locally on the corpus (DESIGN: no downloads), cached as JSON.
+"""Tokenizers: a pretrained one on disk, or a byte-level BPE trained locally on a sample of the corpus
+(DESIGN: no downloads), cached as JSON.
 
-Byte-level means every string round-trips exactly (code with odd whitespace included) and no
-token is ever unknown. One special token, ``<|endoftext|>``, separates documents and serves as EOS.
-The cache key covers the corpus contents, the vocabulary size, the settings below and the
-``tokenizers`` version, so the same inputs load the same file and anything else retrains.
+A pretrained tokenizer is a directory with ``tokenizer.json`` (read by ``tokenizers``) or only a SentencePiece
+``tokenizer.model`` (converted by transformers, which needs ``sentencepiece``): :func:`load_tokenizer_dir`.
+Its EOS is ``tokenizer_config.json``'s ``eos_token`` (else the model's ``eos_token_id``).
+
+A trained one is byte-level, so every string round-trips exactly (code with odd whitespace included) and no
+token is ever unknown; one special token, ``<|endoftext|>``, separates documents and serves as EOS. It trains on
+at most ``data.tokenizer.sample_bytes`` of text spread over the corpus, never on the whole corpus, and is cached
+under a key of that sample's sources, the vocabulary size, the settings below and the ``tokenizers`` version.
 
 A model directory's own tokenizer (``model.init_from``) comes through :func:`pretrained_tokenizer`, with its
 special tokens and chat template; :func:`tokenizer_files` is what a checkpoint carries of them.
@@ -16,21 +21,20 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from canntrain_core.data.cache import atomic_write_text, file_lock, key_of, sha256_text
-from canntrain_core.data.corpus import Corpus
+from canntrain_core.data.cache import DataError, atomic_write_text, file_lock, key_of, sha256_text
 from canntrain_core.recipe import TokenizerConfig
 
 EOS_TOKEN = "<|endoftext|>"
 
-# Everything that shapes the trained tokenizer besides corpus and vocab size; bump `version`
+# Everything that shapes the trained tokenizer besides its sample and vocab size; bump `version`
 # whenever this module changes how it trains, so old cache entries are not reused.
 TOKENIZER_SETTINGS = {
-    "version": 1,
+    "version": 2,
     "model": "bpe",
     "pre_tokenizer": "byte_level(add_prefix_space=False, use_regex=True)",
     "special_tokens": [EOS_TOKEN],
@@ -42,13 +46,17 @@ TOKENIZER_SETTINGS = {
 class TrainedTokenizer:
     tokenizer: Tokenizer
     path: Path
-    sha256: str  # of the JSON file: identifies the tokenizer in pretokenize cache keys
+    sha256: str  # of tokenizer.to_str(): the tokenizer's identity (prepared data and models compare it)
     eos_id: int
     cache_hit: bool
     seconds: float
     # the transformers tokenizer of the directory it came from, when that directory has a tokenizer_config.json
     # or a chat template: its special tokens and chat template (checkpoints and exports carry them)
     hf: Any = None
+
+    @property
+    def directory(self) -> Path:
+        return self.path.parent
 
 
 class TokenText:
@@ -61,6 +69,12 @@ class TokenText:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def tokenizer_identity(tok: Tokenizer) -> str:
+    """sha256 of the tokenizer's canonical JSON: equal for the same vocabulary, merges and rules however the
+    file was formatted (a copy in a prepared dataset, a model directory, a conversion from SentencePiece)."""
+    return sha256_text(tok.to_str())
+
+
 def new_byte_level_bpe() -> Tokenizer:
     """An untrained byte-level BPE tokenizer: GPT-2 style split, bytes mapped to printable chars."""
     tok = Tokenizer(models.BPE())
@@ -69,26 +83,28 @@ def new_byte_level_bpe() -> Tokenizer:
     return tok
 
 
-def train_tokenizer(corpus: Corpus, cfg: TokenizerConfig) -> Tokenizer:
-    """Train a fresh tokenizer on `corpus` (no cache). Deterministic for a given corpus and config."""
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Train a fresh byte-level BPE on ``texts`` (no cache). Deterministic for the same texts and size."""
     tok = new_byte_level_bpe()
     trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size,
+        vocab_size=vocab_size,
         min_frequency=TOKENIZER_SETTINGS["min_frequency"],
         special_tokens=[EOS_TOKEN],  # first, so its id is 0
         # All 256 byte symbols up front: any byte sequence stays encodable even if unseen here.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus.texts(), trainer=trainer, length=corpus.n_documents)
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     return tok
 
 
-def tokenizer_cache_path(corpus: Corpus, cfg: TokenizerConfig, cache_dir: Path) -> Path:
+def trained_tokenizer_path(sample_key: str, cfg: TokenizerConfig, cache_dir: Path) -> Path:
+    """Where the tokenizer trained on the sample named by ``sample_key`` with ``cfg`` is cached."""
     key = key_of(
         {
-            "corpus": corpus.content_hash,
+            "sample": sample_key,
             "vocab_size": cfg.vocab_size,
+            "sample_bytes": cfg.sample_bytes,
             "type": cfg.type,
             "settings": TOKENIZER_SETTINGS,
             "tokenizers": tokenizers.__version__,
@@ -97,22 +113,102 @@ def tokenizer_cache_path(corpus: Corpus, cfg: TokenizerConfig, cache_dir: Path) 
     return cache_dir / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}.json"
 
 
-def get_tokenizer(corpus: Corpus, cfg: TokenizerConfig, cache_dir: Path) -> TrainedTokenizer:
-    """Load the tokenizer for (corpus, cfg) from the cache, training and caching it on a miss."""
-    path = tokenizer_cache_path(corpus, cfg, cache_dir)
+def get_tokenizer(
+    sample_key: str, texts: Callable[[], list[str]], cfg: TokenizerConfig, cache_dir: Path
+) -> TrainedTokenizer:
+    """The tokenizer trained on ``texts()`` (called only on a cache miss) with ``cfg``, cached under
+    ``sample_key`` (what names the sample: its sources' listing, never their contents)."""
+    path = trained_tokenizer_path(sample_key, cfg, cache_dir)
     start = time.perf_counter()
     with file_lock(path.with_suffix(".lock")):
         hit = path.is_file()
         if hit:
             text = path.read_text(encoding="utf-8")
         else:
-            text = train_tokenizer(corpus, cfg).to_str()
+            text = train_tokenizer(texts(), cfg.vocab_size).to_str()
             atomic_write_text(path, text)
     tok = Tokenizer.from_str(text)
     eos_id = tok.token_to_id(EOS_TOKEN)
     if eos_id is None:  # a hand-edited or foreign file in the cache
-        raise ValueError(f"{path}: tokenizer has no {EOS_TOKEN} token; delete the file to retrain")
+        raise DataError(f"{path}: tokenizer has no {EOS_TOKEN} token; delete the file to retrain")
     return TrainedTokenizer(tok, path, sha256_text(text), eos_id, hit, time.perf_counter() - start)
+
+
+def load_tokenizer_dir(
+    directory: str | Path, fallback_eos: int | None = None, what: str = "tokenizer"
+) -> TrainedTokenizer:
+    """The pretrained tokenizer in ``directory`` (see the module docstring). Its EOS: tokenizer_config.json's
+    eos_token, else ``fallback_eos`` (a model's config.json), else ``<|endoftext|>`` when it has one (a tokenizer
+    trained here). A DataError names the directory and what is wrong, in one line."""
+    d = Path(directory).expanduser()
+    start = time.perf_counter()
+    if not d.is_dir():
+        raise DataError(f"{what}: {d} is not a directory (it should hold tokenizer.json or tokenizer.model)")
+    path = d / "tokenizer.json"
+    if path.is_file():
+        try:
+            tok = Tokenizer.from_str(path.read_text(encoding="utf-8"))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise DataError(f"{path}: not a tokenizers tokenizer.json ({str(e)[:200]})") from None
+        hf = _transformers_tokenizer(d)
+    elif (d / "tokenizer.model").is_file():
+        hf = _from_sentencepiece(d)
+        tok, path = hf.backend_tokenizer, d / "tokenizer.model"
+    else:
+        raise DataError(f"{what}: {d} holds neither tokenizer.json nor tokenizer.model")
+    eos_id = _config_eos(d, tok)
+    if eos_id is None:
+        eos_id = fallback_eos if fallback_eos is not None else tok.token_to_id(EOS_TOKEN)
+    if eos_id is None:
+        raise DataError(
+            f"{d}: no EOS token (tokenizer_config.json's eos_token, or the model's eos_token_id): documents need "
+            "one between them; add eos_token to tokenizer_config.json"
+        )
+    return TrainedTokenizer(tok, path, tokenizer_identity(tok), int(eos_id), True, time.perf_counter() - start, hf)
+
+
+def _config_eos(d: Path, tok: Tokenizer) -> int | None:
+    cfg_path = d / "tokenizer_config.json"
+    if not cfg_path.is_file():
+        return None
+    try:
+        eos = json.loads(cfg_path.read_text(encoding="utf-8")).get("eos_token")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        raise DataError(f"{cfg_path}: not a JSON object") from None
+    if isinstance(eos, dict):  # {"content": "</s>", ...}
+        eos = eos.get("content")
+    return tok.token_to_id(eos) if isinstance(eos, str) else None
+
+
+def _from_sentencepiece(d: Path):
+    """transformers' fast tokenizer converted from a SentencePiece ``tokenizer.model`` (needs sentencepiece)."""
+    from transformers import AutoTokenizer
+
+    try:
+        fast = AutoTokenizer.from_pretrained(str(d), use_fast=True)
+    except (ImportError, OSError, ValueError, TypeError) as e:
+        raise DataError(
+            f"{d / 'tokenizer.model'}: transformers cannot convert this SentencePiece model ({str(e)[:200]}); "
+            "it needs the sentencepiece package, or give a directory with tokenizer.json"
+        ) from None
+    if getattr(fast, "backend_tokenizer", None) is None:
+        raise DataError(f"{d / 'tokenizer.model'}: transformers gave no fast tokenizer for it")
+    return fast
+
+
+def resolved_vocab_size(cfg, tokenizer_size: int | None) -> int:
+    """The model's embedding rows: ``data.tokenizer.vocab_size`` when the recipe sets it (at least the
+    tokenizer's size), else the pretrained or prepared tokenizer's own size, else the default for a BPE
+    trained here."""
+    tc = cfg.tokenizer
+    if "vocab_size" in tc.model_fields_set or tokenizer_size is None:
+        if tokenizer_size is not None and tc.vocab_size < tokenizer_size:
+            raise DataError(
+                f"data.tokenizer.vocab_size={tc.vocab_size} is smaller than the tokenizer's {tokenizer_size} tokens; "
+                f"set it to {tokenizer_size} or more (or leave it out to take the tokenizer's size)"
+            )
+        return tc.vocab_size
+    return tokenizer_size
 
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers' save_pretrained puts a chat template
@@ -139,8 +235,6 @@ def chat_template_source(directory: str | Path) -> Path | None:
 def _transformers_tokenizer(directory: Path):
     """DIR's tokenizer as transformers loads it (special tokens, chat templates), when DIR says more than
     tokenizer.json does; None otherwise (nothing to load)."""
-    from canntrain_core.data.cache import DataError
-
     if not (directory / "tokenizer_config.json").is_file() and chat_template_source(directory) is None:
         return None
     from transformers import PreTrainedTokenizerFast
@@ -160,9 +254,6 @@ def pretrained_tokenizer(init_from: str | Path | None, config, chat_template: st
 
     The one path that loads a pretrained tokenizer and its chat template (SFT, reward, DPO, GRPO, PPO
     and ``canntrain generate`` all come through here)."""
-    from canntrain_core.data.cache import DataError
-    from canntrain_core.models.hf import tokenizer_eos
-
     if not init_from:
         if chat_template == "tokenizer":
             raise DataError(
@@ -171,20 +262,13 @@ def pretrained_tokenizer(init_from: str | Path | None, config, chat_template: st
             )
         return {}
     d = Path(init_from)
-    path = d / "tokenizer.json"
-    if not path.is_file():
+    if not (d / "tokenizer.json").is_file() and not (d / "tokenizer.model").is_file():
         if chat_template == "tokenizer":
             raise DataError(f"data.chat_template=tokenizer: {d} has no tokenizer.json; use data.chat_template=recipe")
         return {"vocab_size": config.vocab_size, **({"chat_template": None} if chat_template else {})}
-    start = time.perf_counter()
-    text = path.read_text(encoding="utf-8")
-    try:
-        tok = Tokenizer.from_str(text)
-    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
-        raise DataError(f"{path}: not a tokenizers tokenizer.json ({e})") from None
-    eos_id = tokenizer_eos(init_from, config, tok)
-    hf = _transformers_tokenizer(d)
-    given = TrainedTokenizer(tok, path, sha256_text(text), eos_id, True, time.perf_counter() - start, hf)
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    given = load_tokenizer_dir(d, eos, what="model.init_from")
+    hf = given.hf
     out = {"tokenizer": given, "vocab_size": config.vocab_size}
     if chat_template is not None:
         has = hf is not None and bool(hf.chat_template)

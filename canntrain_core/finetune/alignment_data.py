@@ -19,7 +19,15 @@ import torch
 
 from canntrain_core.data.cache import DataError
 from canntrain_core.finetune.format import ChatFormat
-from canntrain_core.finetune.records import BadRecord, Conversation, read_conversations, read_records
+from canntrain_core.data.sampler import ResumableSampler
+from canntrain_core.finetune.records import (
+    BadRecord,
+    Conversation,
+    is_val,
+    read_conversations,
+    read_records,
+    read_sources,
+)
 from canntrain_core.finetune.tasks import KINDS, make_item, partial_score
 from canntrain_core.data.tokenizer import TokenText
 
@@ -30,6 +38,7 @@ class Pair:
     prompt: str
     chosen: str
     rejected: str
+    where: str = ""
 
 
 def read_pairs(path: str | Path, on_bad_record: str = "error") -> tuple[list[Pair], list[str]]:
@@ -37,12 +46,12 @@ def read_pairs(path: str | Path, on_bad_record: str = "error") -> tuple[list[Pai
     return read_records(path, _pair, "preference pairs", on_bad_record)
 
 
-def _pair(name: str, rec: object) -> Pair:
+def _pair(name: str, where: str, rec: object) -> Pair:
     if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("prompt", "chosen", "rejected")):
         raise BadRecord("a preference pair needs strings 'prompt', 'chosen' and 'rejected'")
     if not rec["chosen"].strip() or not rec["rejected"].strip():
         raise BadRecord("empty chosen or rejected answer")
-    return Pair(name, rec["prompt"], rec["chosen"], rec["rejected"])
+    return Pair(name, rec["prompt"], rec["chosen"], rec["rejected"], where)
 
 
 def encode_answer(fmt: ChatFormat, prompt: str, answer: str) -> tuple[list[int], int]:
@@ -112,12 +121,6 @@ def preference_records(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) ->
     return out
 
 
-def _is_val(name: str, fraction: float) -> bool:
-    import hashlib
-
-    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 2**32 < fraction
-
-
 @dataclass
 class PromptBundle(TokenText):
     """Prompts for online alignment: token ids, the reference answer, a resumable sampler over train."""
@@ -149,36 +152,36 @@ def build_prompt_data(
 ) -> PromptBundle:
     """The prompts of ``cfg.source`` (instruction records), split into train and held-out by name. A prompt
     leaves room for ``max_new`` generated tokens within ``data.seq_length``, or is a bad record."""
-    from canntrain_core.data.sampler import ResumableSampler
-
     if tokenizer is None:
         raise DataError("alignment starts from a fine-tuned model: model.init_from must hold its tokenizer.json")
-    convs, bad = read_prompts(cfg.source, cfg.format, cfg.on_bad_record)
+    sources = read_sources(cfg, lambda path: read_prompts(path, cfg.format, cfg.on_bad_record))
     fmt = ChatFormat(tokenizer.tokenizer, tokenizer.eos_id, cfg.template, chat_template)
-    train, val = [], []
-    for c in convs:
-        enc = fmt.encode(c, "last")
-        if enc.prompt_len + max_new > cfg.seq_length:
-            why = (
-                f"over-long: a {enc.prompt_len}-token prompt + rlhf.generate_max_length {max_new} > "
-                f"data.seq_length {cfg.seq_length}"
-            )
-            if cfg.on_bad_record == "error":
-                raise DataError(
-                    f"{cfg.source}, line {c.name.rsplit(':', 1)[1]}: {why} (or set data.on_bad_record=skip)"
+    train, val, bad, sizes = [], [], [], []
+    for src in sources:
+        bad += src.bad
+        before = len(train)
+        for c in src.items:
+            enc = fmt.encode(c, "last")
+            if enc.prompt_len + max_new > cfg.seq_length:
+                why = (
+                    f"over-long: a {enc.prompt_len}-token prompt + rlhf.generate_max_length {max_new} > "
+                    f"data.seq_length {cfg.seq_length}"
                 )
-            bad.append(f"{c.name}: {why}")
-            continue
-        (val if _is_val(c.name, cfg.val_fraction) else train).append((enc.ids[: enc.prompt_len], c.answer))
-    if not train or (cfg.val_fraction > 0 and not val):
+                if cfg.on_bad_record == "error":
+                    raise DataError(f"{c.where}: {why} (or set data.on_bad_record=skip)")
+                bad.append(f"{c.name}: {why}")
+                continue
+            (val if is_val(c.name, cfg.val_fraction) else train).append((enc.ids[: enc.prompt_len], c.answer))
+        sizes.append(len(train) - before)
+    if not all(sizes) or (cfg.val_fraction > 0 and not val):
         raise DataError(
-            f"{cfg.source}: {len(train)} training and {len(val)} held-out prompts; both must be "
+            f"{', '.join(s.path for s in sources)}: {sizes} training and {len(val)} held-out prompts; both must be "
             "non-empty (data.val_fraction, data.seq_length; data.val_fraction 0: no held-out score)"
         )
-    sampler = ResumableSampler(len(train), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+    sampler = ResumableSampler(sizes, seed=seed, dp_rank=dp_rank, dp_size=dp_size, weights=[s.weight for s in sources])
     info = {
-        "source": str(cfg.source),
-        "records": len(convs),
+        "source": ", ".join(s.path for s in sources),
+        "records": sum(len(s.items) for s in sources),
         "bad_records": len(bad),
         "bad_record_examples": bad[:10],
         "train_prompts": len(train),

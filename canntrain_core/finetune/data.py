@@ -16,7 +16,6 @@ left, never the final answer; ``drop``); one that still does not fit is a bad re
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,11 +25,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from canntrain_core.data.cache import DataError
+from canntrain_core.data.cache import DataError, key_of, resolve_cache_dir
+from canntrain_core.data.corpus import list_inputs, listing_fingerprint
 from canntrain_core.data.sampler import ResumableSampler, val_share
+from canntrain_core.data.tokenizer import TokenText, get_tokenizer
 from canntrain_core.finetune.format import ChatFormat, Encoded
-from canntrain_core.finetune.records import Conversation, read_conversations
-from canntrain_core.data.tokenizer import TokenText
+from canntrain_core.finetune.records import SourceRecords, is_val, read_conversations, read_sources
 
 IGNORE = -100
 
@@ -118,10 +118,6 @@ def make_rows(samples: list[Encoded], length: int, pad_id: int, packing: bool) -
     return rows, stats
 
 
-def _is_val(name: str, fraction: float) -> bool:
-    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 2**32 < fraction
-
-
 @dataclass
 class SFTBundle(TokenText):
     """What the trainer and the notebooks need from instruction data (the pretraining bundle's interface)."""
@@ -136,6 +132,7 @@ class SFTBundle(TokenText):
     sampler: ResumableSampler
     eval_examples: list[tuple[list[int], str]]  # held-out (prompt ids, expected answer) for exact match
     info: dict[str, Any] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)  # each source's name (data.sources)
 
     def train_loader(self) -> DataLoader:
         return DataLoader(
@@ -175,10 +172,10 @@ def build_sft_data(
     ``data.tokenizer.pretrained_tokenizer``, which ``data.chat_template`` steers).
     """
     start = time.perf_counter()
-    convs, bad = read_conversations(cfg.source, cfg.format, cfg.on_bad_record)
+    sources = read_sources(cfg, lambda path: read_conversations(path, cfg.format, cfg.on_bad_record))
     given = tokenizer is not None
     if tokenizer is None:
-        tokenizer = _train_tokenizer(convs, cfg)
+        tokenizer = _train_tokenizer(sources, cfg)
         vocab_size = cfg.tokenizer.vocab_size
     vocab_size = vocab_size or cfg.tokenizer.vocab_size
     if tokenizer.tokenizer.get_vocab_size() > vocab_size:
@@ -188,45 +185,58 @@ def build_sft_data(
         )
     fmt = ChatFormat(tokenizer.tokenizer, tokenizer.eos_id, cfg.template, chat_template)
     length = cfg.seq_length + 1
-    splits: dict[str, list[Encoded]] = {"train": [], "val": []}
-    evals = []
-    for conv in convs:
-        fitted = fit_sample(Sample(conv.name, fmt.encode(conv, cfg.train_on)), length, cfg.truncation)
-        if isinstance(fitted, str):
-            if cfg.on_bad_record == "error":
-                file, line = conv.name.rsplit(":", 1)
-                raise DataError(f"{Path(cfg.source)}, line {line}: {fitted} (or set data.on_bad_record=skip)")
-            bad.append(f"{conv.name}: {fitted}")
-            continue
-        split = "val" if _is_val(conv.name, cfg.val_fraction) else "train"
-        splits[split].append(fitted)
-        if split == "val":
-            evals.append((fitted.ids[: fitted.prompt_len], conv.answer))
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(splits["train"]), generator=g).tolist()  # packing neighbours: a fixed shuffle
-    train_rows, train_stats = make_rows([splits["train"][i] for i in order], length, tokenizer.eos_id, cfg.packing)
-    val_rows, val_stats = make_rows(splits["val"], length, tokenizer.eos_id, cfg.packing) if splits["val"] else ([], {})
-    if not train_rows:
-        raise DataError(f"{cfg.source}: no training rows ({len(bad)} record(s) left out)")
-    trained = sum(int((r["labels"] != IGNORE).sum()) for r in train_rows)
+    train_rows, val_rows, evals, bad = [], [], [], []
+    sizes, samples, trained, real_fill = [], 0, 0, 0.0
+    for src in sources:
+        bad += src.bad
+        splits: dict[str, list[Encoded]] = {"train": [], "val": []}
+        for conv in src.items:
+            fitted = fit_sample(Sample(conv.name, fmt.encode(conv, cfg.train_on)), length, cfg.truncation)
+            if isinstance(fitted, str):
+                if cfg.on_bad_record == "error":
+                    raise DataError(f"{conv.where}: {fitted} (or set data.on_bad_record=skip)")
+                bad.append(f"{conv.name}: {fitted}")
+                continue
+            split = "val" if is_val(conv.name, cfg.val_fraction) else "train"
+            splits[split].append(fitted)
+            if split == "val":
+                evals.append((fitted.ids[: fitted.prompt_len], conv.answer))
+        g = torch.Generator().manual_seed(seed)
+        order = torch.randperm(len(splits["train"]), generator=g).tolist()  # packing neighbours: a fixed shuffle
+        rows, stats = make_rows([splits["train"][i] for i in order], length, tokenizer.eos_id, cfg.packing)
+        if not rows:
+            raise DataError(f"{src.path}: no training rows ({len(src.bad)} record(s) left out)")
+        train_rows += rows
+        sizes.append(len(rows))
+        samples += stats["samples"]
+        real_fill += (1 - stats["padding_fraction"]) * len(rows)
+        trained += sum(int((r["labels"] != IGNORE).sum()) for r in rows)
+        if splits["val"]:
+            val_rows += make_rows(splits["val"], length, tokenizer.eos_id, cfg.packing)[0]
     info = {
-        "source": str(cfg.source),
-        "records": len(convs),
+        "source": ", ".join(s.path for s in sources),
+        "records": sum(len(s.items) for s in sources),
         "bad_records": len(bad),
         "bad_record_examples": bad[:10],
-        "train_samples": train_stats["samples"],
-        "train_rows": train_stats["rows"],
-        "val_samples": len(splits["val"]),
+        "train_samples": samples,
+        "train_rows": len(train_rows),
+        "val_samples": len(evals),
         "val_rows": len(val_rows),
         "packing": cfg.packing,
-        "padding_fraction": round(train_stats["padding_fraction"], 4),
+        "padding_fraction": round(1 - real_fill / len(train_rows), 4),
         "trained_tokens_per_epoch": trained,
         "tokenizer_path": str(tokenizer.path),
         "tokenizer_source": "given" if given else "trained",
         "chat_template": fmt.source if chat_template is not None else "data.template",
         "total_seconds": round(time.perf_counter() - start, 3),
     }
-    sampler = ResumableSampler(len(train_rows), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+    sampler = ResumableSampler(
+        sizes,
+        seed=seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        weights=[s.weight for s in sources] if len(sources) > 1 else None,
+    )
     return SFTBundle(
         cfg,
         tokenizer.tokenizer,
@@ -238,18 +248,19 @@ def build_sft_data(
         sampler,
         evals,
         info,
+        [s.name for s in sources],
     )
 
 
-def _train_tokenizer(convs: list[Conversation], cfg):
+def _train_tokenizer(sources: list[SourceRecords], cfg):
     """A byte-level BPE tokenizer trained on the conversations themselves (no model to bring one)."""
-    from canntrain_core.data.cache import resolve_cache_dir
-    from canntrain_core.data.corpus import Corpus, Document, _content_hash, _files_hash
-    from canntrain_core.data.tokenizer import get_tokenizer
+    inputs = [i for s in sources for i in list_inputs(s.path)]
+    key = key_of({"records": listing_fingerprint(inputs), "format": cfg.format})
 
-    docs = [Document(c.name, "\n".join(t for _, t in c.turns)) for c in convs]
-    corpus = Corpus(str(cfg.source), tuple(docs), sum(d.n_bytes for d in docs), _files_hash(docs), _content_hash(docs))
-    return get_tokenizer(corpus, cfg.tokenizer, resolve_cache_dir(cfg.cache_dir))
+    def texts() -> list[str]:
+        return ["\n".join(t for _, t in c.turns) for s in sources for c in s.items]
+
+    return get_tokenizer(key, texts, cfg.tokenizer, resolve_cache_dir(cfg.cache_dir))
 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> Path:

@@ -1,6 +1,7 @@
-"""Instruction data in the JSONL formats people already have, read into one shape: a conversation.
+"""Instruction data in the record formats people already have, read into one shape: a conversation.
 
-One record per line, in any of:
+Records come from .jsonl (plain, .gz, .zst), Parquet files or a ``datasets`` directory (``data/corpus.py``
+reads them), each in any of:
 
 - alpaca:   ``{"instruction": ..., "input": ... (optional), "output": ..., "system": ... (optional)}``
 - messages: ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}``
@@ -13,11 +14,13 @@ evaluation scores). A line that is not such a record is reported as ``file, line
 
 from __future__ import annotations
 
-import json
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from canntrain_core.data.cache import DataError
+from canntrain_core.data.corpus import BadRecords, iter_records
+from canntrain_core.data.pipeline import source_names
 
 ROLES = ("system", "user", "assistant")
 _SHAREGPT = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -25,8 +28,9 @@ _SHAREGPT = {"system": "system", "human": "user", "user": "user", "gpt": "assist
 
 @dataclass(frozen=True)
 class Conversation:
-    name: str  # "file.jsonl:LINE"
+    name: str  # "file.jsonl:LINE" (or "file.parquet:ROW")
     turns: tuple[tuple[str, str], ...]  # (role, content), ending with the assistant's answer
+    where: str = ""  # "path, line N": how a message names it
 
     @property
     def answer(self) -> str:
@@ -79,36 +83,21 @@ def parse_record(record: object, fmt: str = "auto") -> tuple[tuple[str, str], ..
 
 
 def read_records(path: str | Path, parse, what: str, on_bad_record: str = "error") -> tuple[list, list[str]]:
-    """``parse(name, record)`` of every line of the JSONL file ``path`` (``what`` it holds, for the errors), and
-    "file:line: why" for each line left out. The one bad-record policy of the instruction and preference
+    """``parse(name, where, record)`` of every record of ``path`` (``what`` it holds, for the errors), and
+    "file:line: why" for each record left out. The one bad-record policy of the instruction and preference
     data: a line that is not UTF-8 JSON, or that ``parse`` refuses with a :class:`BadRecord`, stops the run
     naming file and line (``data.on_bad_record: error``) or is left out and counted (``skip``); blank lines
-    are ignored; a file with nothing usable is an error either way."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data.source: {path} does not exist ({what} are a .jsonl file)")
-    out, bad = [], []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                try:
-                    record = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError as e:
-                    raise BadRecord(f"not valid UTF-8 ({e.reason})") from None
-                except json.JSONDecodeError as e:
-                    raise BadRecord(f"invalid JSON: {e.msg} (column {e.colno})") from None
-                out.append(parse(f"{path.name}:{lineno}", record))
-            except BadRecord as e:
-                if on_bad_record == "error":
-                    raise DataError(
-                        f"{path}, line {lineno}: {e} (or set data.on_bad_record=skip to leave such records out)"
-                    ) from None
-                bad.append(f"{path.name}:{lineno}: {e}")
+    are ignored; a source with nothing usable is an error either way."""
+    bad = BadRecords(on_bad_record, keep=None)
+    out = []
+    for name, where, record in iter_records(path, bad):
+        try:
+            out.append(parse(name, where, record))
+        except BadRecord as e:
+            bad.add(where, str(e), name)
     if not out:
-        raise DataError(f"{path}: no usable {what} ({len(bad)} left out: {'; '.join(bad[:3])})")
-    return out, bad
+        raise DataError(f"{path}: no usable {what} ({bad.count} left out: {'; '.join(bad.examples[:3])})")
+    return out, bad.examples
 
 
 def read_conversations(
@@ -116,5 +105,34 @@ def read_conversations(
 ) -> tuple[list[Conversation], list[str]]:
     """Every conversation of a JSONL file, and "file:line: why" for each line left out (:func:`read_records`)."""
     return read_records(
-        path, lambda name, record: Conversation(name, parse_record(record, fmt)), "instruction records", on_bad_record
+        path,
+        lambda name, where, record: Conversation(name, parse_record(record, fmt), where),
+        "instruction records",
+        on_bad_record,
     )
+
+
+def is_val(name: str, fraction: float) -> bool:
+    """Whether the record named ``name`` ("file:line") is held out: by a hash of its name, so the split is the same
+    on every machine and does not move when other records are added."""
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 2**32 < fraction
+
+
+@dataclass
+class SourceRecords:
+    """One source of instruction or preference data: its name and weight (``data.sources``) and what was read."""
+
+    name: str
+    path: str
+    weight: float
+    items: list
+    bad: list[str]
+
+
+def read_sources(cfg, read) -> list[SourceRecords]:
+    """``read(path)`` -> (items, bad) of every source of ``data.sources`` (or ``data.source`` alone)."""
+    try:
+        mixture = cfg.mixture
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    return [SourceRecords(n, s.path, s.weight, *read(s.path)) for n, s in zip(source_names(cfg), mixture)]

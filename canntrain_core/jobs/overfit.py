@@ -71,7 +71,7 @@ def overfit(recipe, samples: int = 32, run_dir=None, ratio: float = 0.1, trainer
     run_dir = Path(run_dir or f"runs/overfit-{time.strftime('%Y%m%d-%H%M%S')}")
     trainer = (trainer_class or make_trainer)(recipe, run_dir=run_dir, progress=False)
     sampler = trainer.data.sampler
-    sampler.num_samples = min(sampler.num_samples, max(samples, sampler.dp_size))  # its first rows, drawn again
+    sampler.limit(max(samples, sampler.dp_size))  # its first rows, drawn again
     trainer.fit()
     losses = [r["loss"] for r in read_metrics(trainer.run_dir) if "loss" in r]
     return OverfitResult(trainer.run_dir, losses[0], losses[-1], ratio)

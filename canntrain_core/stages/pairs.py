@@ -11,6 +11,8 @@ from canntrain_core.data.cache import DataError
 from canntrain_core.data.sampler import ResumableSampler, val_share
 from canntrain_core.models.rollout import layout
 from canntrain_core.finetune.alignment_data import encode_answer, read_pairs
+from canntrain_core.finetune.format import ChatFormat
+from canntrain_core.finetune.records import is_val, read_sources
 from canntrain_core.train.trainer import Trainer
 from canntrain_core.data.tokenizer import TokenText
 
@@ -19,40 +21,43 @@ class PairBundle(TokenText):
     """Preference pairs as fixed-length rows: chosen / rejected ids and their answer-token masks."""
 
     def __init__(self, cfg, seed, dp_rank, dp_size, tokenizer, vocab_size=None, chat_template=None):
-        from canntrain_core.finetune.format import ChatFormat
-        from canntrain_core.finetune.alignment_data import _is_val
-
         if tokenizer is None:
             raise DataError(
                 "preference training starts from a fine-tuned model: model.init_from must hold tokenizer.json"
             )
-        pairs, bad = read_pairs(cfg.source, cfg.on_bad_record)
+        sources = read_sources(cfg, lambda path: read_pairs(path, cfg.on_bad_record))
         self.cfg, self.tokenizer, self.eos_id = cfg, tokenizer.tokenizer, tokenizer.eos_id
         self.vocab_size = vocab_size or cfg.tokenizer.vocab_size
         fmt = ChatFormat(tokenizer.tokenizer, tokenizer.eos_id, cfg.template, chat_template)
-        rows = {"train": [], "val": []}
+        self.train, self.val, bad, sizes = [], [], [], []
         L = cfg.seq_length + 1
-        for p in pairs:
-            (c, nc), (r, nr) = encode_answer(fmt, p.prompt, p.chosen), encode_answer(fmt, p.prompt, p.rejected)
-            ro = layout([c[:nc], r[:nr]], [c[nc:], r[nr:]], self.eos_id, self.eos_id)
-            if ro.ids.shape[1] > L:  # a pair is never truncated: both answers would lose what tells them apart
-                why = f"over-long: {ro.ids.shape[1]} tokens > {L} (data.seq_length + 1)"
-                if cfg.on_bad_record == "error":
-                    raise DataError(
-                        f"{cfg.source}, line {p.name.rsplit(':', 1)[1]}: {why} (or set data.on_bad_record=skip)"
-                    )
-                bad.append(f"{p.name}: {why}")
-                continue
-            ids = torch.full((2, L), self.eos_id)
-            ids[:, : ro.ids.shape[1]] = ro.ids
-            mask = torch.zeros((2, L - 1))
-            mask[:, : ro.mask.shape[1]] = ro.mask
-            rows["val" if _is_val(p.name, cfg.val_fraction) else "train"].append({"ids": ids, "mask": mask})
-        self.train, self.val = rows["train"], rows["val"]
-        self.sampler = ResumableSampler(len(self.train), seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+        for src in sources:
+            bad += src.bad
+            before = len(self.train)
+            for p in src.items:
+                (c, nc), (r, nr) = encode_answer(fmt, p.prompt, p.chosen), encode_answer(fmt, p.prompt, p.rejected)
+                ro = layout([c[:nc], r[:nr]], [c[nc:], r[nr:]], self.eos_id, self.eos_id)
+                if ro.ids.shape[1] > L:  # a pair is never truncated: both answers would lose what tells them apart
+                    why = f"over-long: {ro.ids.shape[1]} tokens > {L} (data.seq_length + 1)"
+                    if cfg.on_bad_record == "error":
+                        raise DataError(f"{p.where}: {why} (or set data.on_bad_record=skip)")
+                    bad.append(f"{p.name}: {why}")
+                    continue
+                ids = torch.full((2, L), self.eos_id)
+                ids[:, : ro.ids.shape[1]] = ro.ids
+                mask = torch.zeros((2, L - 1))
+                mask[:, : ro.mask.shape[1]] = ro.mask
+                (self.val if is_val(p.name, cfg.val_fraction) else self.train).append({"ids": ids, "mask": mask})
+            sizes.append(len(self.train) - before)
+        if not all(sizes):
+            raise DataError(f"{', '.join(s.path for s in sources)}: no training pairs in a source ({sizes})")
+        self.sampler = ResumableSampler(
+            sizes, seed=seed, dp_rank=dp_rank, dp_size=dp_size, weights=[s.weight for s in sources]
+        )
+        self.names = [s.name for s in sources]
         self.info = {
-            "source": str(cfg.source),
-            "pairs": len(pairs),
+            "source": ", ".join(s.path for s in sources),
+            "pairs": sum(len(s.items) for s in sources),
             "train_pairs": len(self.train),
             "val_pairs": len(self.val),
             "bad_records": len(bad),
@@ -66,7 +71,14 @@ class PairBundle(TokenText):
     def train_loader(self):
         from torch.utils.data import DataLoader
 
-        return DataLoader(self.train, batch_size=self.cfg.batch_size, sampler=self.sampler, drop_last=True)
+        return DataLoader(
+            self.train,
+            batch_size=self.cfg.batch_size,
+            sampler=self.sampler,
+            num_workers=self.cfg.num_workers,
+            persistent_workers=self.cfg.persistent_workers,
+            drop_last=True,
+        )
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
         share = val_share(

@@ -23,6 +23,7 @@ from canntrain_core import checkpoint
 from canntrain_core.checkpoint.drift import check_resume
 from canntrain_core.checkpoint.export import BASE_FINGERPRINT, STAGE_FILE, check_base
 from canntrain_core.data import build_data, pretrained_tokenizer
+from canntrain_core.data.pipeline import drawn_per_source, epochs_summary, model_vocab_size
 from canntrain_core.data.tokenizer import tokenizer_files
 from canntrain_core.finetune.data import real_tokens
 from canntrain_core.finetune.evaluate import exact_match
@@ -131,6 +132,8 @@ class Trainer:
         )  # the caller's recipe is not changed (optim.epochs sets max_steps)
         self.acc = accelerator or get_accelerator()
         m, d = r.model, r.distributed
+        if not m.init_from:  # the embedding rows the data implies: written into the resolved recipe
+            r.data.tokenizer.vocab_size = model_vocab_size(r.data)
         self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
         check_layout(r, config, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
         check_kernels_fit(config, m)
@@ -161,6 +164,10 @@ class Trainer:
                     f"per data-parallel rank per epoch)"
                 )
             r.optim.max_steps = steps
+        if hasattr(self.data, "names"):  # each source's share and passes (data.max_source_epochs refuses too many)
+            line = epochs_summary(self.data, r.optim.max_steps * r.global_batch_size)
+            if self.rank == 0 and len(self.data.names) > 1:
+                print(line)
         if not m.init_from:  # the trained tokenizer's EOS, for generate() and an exported model
             config.bos_token_id, config.eos_token_id = None, self.data.eos_id
         self.memory_baseline = self.acc.memory_in_use()  # distributed.memory_budget_gb counts from here
@@ -448,6 +455,8 @@ class Trainer:
             record["aux_loss"] = self._mean_over_ranks(self.aux_loss)
             record.update(self._expert_balance())
         record.update(self.health.take(self.window[1], record["step_time"]))
+        if len(getattr(self.data, "names", ())) > 1:  # a mixture: what was drawn from each source so far
+            record.update(drawn_per_source(self.data))
         if "padding_fraction" in self.data.info:  # instruction rows: the interval's tokens that were not padding
             real = (
                 self._sum_over_dp(torch.tensor(float(self.real_tokens), device=self.acc.device), everywhere=True)

@@ -132,3 +132,28 @@ def plot_curves(
         logged = sorted({k for run in rows for r in run for k in r if isinstance(r[k], (int, float))} - {"step"})
         raise BadInput(f"--keys: no run logged {', '.join(keys)}; they log {', '.join(logged)}")
     return save_png(curves_figure(run_dirs, found, labels), out), {key: drawn[key] for key in found}
+
+
+def source_tokens_figure(run_dir: str | Path, weights: dict[str, float] | None = None):
+    """A mixture's training tokens drawn from each source against step (``tokens/<name>`` in metrics.jsonl), and
+    each source's share of them; ``weights`` (name -> weight) draws the intended shares as dashed lines."""
+    rows = [r for r in read_metrics(run_dir) if any(k.startswith("tokens/") for k in r)]
+    if not rows:
+        raise BadInput(f"{run_dir}: metrics.jsonl has no tokens/<source> rows (a run on one source logs none)")
+    names = [k.removeprefix("tokens/") for k in rows[-1] if k.startswith("tokens/")]
+    steps = [r["step"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    total = [sum(r[f"tokens/{n}"] for n in names) for r in rows]
+    for n in names:
+        tokens = [r[f"tokens/{n}"] for r in rows]
+        (line,) = left.plot(steps, tokens, label=n)
+        right.plot(steps, [t / max(s, 1) for t, s in zip(tokens, total)], color=line.get_color(), label=n)
+        if weights and n in weights:
+            right.axhline(weights[n] / sum(weights.values()), color=line.get_color(), ls="--", lw=1)
+    left.set(xlabel="step", ylabel="training tokens drawn", title="tokens per source")
+    right.set(xlabel="step", ylabel="share of tokens", title="share (dashed: the weights)", ylim=(0, 1))
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    return fig

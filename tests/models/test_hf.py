@@ -56,6 +56,7 @@ def recipe_from(hf_path, data_cache=None, **extra):
         keys.update(
             {
                 "data.cache_dir": data_cache,
+                "data.source": "stdlib",
                 "data.max_bytes": 100_000,
                 "data.seq_length": 32,
                 "data.batch_size": 4,

@@ -3,7 +3,8 @@
 Each layout trains the tiny model for 6 steps on global batches of 8 sequences and must log the
 same losses as one process, step by step, within LOSS_TOL. Measured here in fp32: the largest
 difference over all layouts is about 1e-6 (reductions summed in another order).
-A checkpoint written by 4 ranks resumes on 2 ranks and on 1 and continues the same curve.
+A checkpoint written by 4 ranks resumes on 2 ranks and on 1, and one written by 1 rank resumes on 2, continuing the
+same curve (the data position is the job's global count of samples drawn).
 
 The mixture of experts (tiny-moe) trains in the same launches: expert parallelism EP2 on 2 ranks, EP2 x FSDP2 and
 EP2 x TP2 (+SP) on 4 log the losses of the same data-parallel layout without EP (EP changes only where each
@@ -116,6 +117,7 @@ def runs(tmp_path_factory, data_cache):
             "single={}",
             f"single_bf16={json.dumps(BF16)}",  # references, here
             f"single_tied={json.dumps(TIED)}",
+            "single_cut@3={}",  # a one-process checkpoint at step 3, resumed below on 2 ranks
         ],
     )
     log = launch_layouts(TINY, out, 2, base, {**LAYOUTS, "fsdp2_bf16": {**LAYOUTS["fsdp2"], **BF16}, **MOE_LAYOUTS_2})
@@ -141,7 +143,18 @@ def runs(tmp_path_factory, data_cache):
         },
     )
     step3 = out / "fsdp4" / "checkpoints" / "step_3"
-    launch_layouts(TINY, out, 2, base, {f"fsdp2_from4<{step3}": LAYOUTS["fsdp2"], f"cp2_from4<{step3}": CP2})
+    single_step3 = out / "single_cut" / "checkpoints" / "step_3"
+    launch_layouts(
+        TINY,
+        out,
+        2,
+        base,
+        {
+            f"fsdp2_from4<{step3}": LAYOUTS["fsdp2"],
+            f"cp2_from4<{step3}": CP2,
+            f"fsdp2_from1<{single_step3}": LAYOUTS["fsdp2"],  # the data position is global: 1 rank -> 2
+        },
+    )
     run_layouts(str(TINY), out, base, [f"single_from4<{step3}={{}}"])
     return out
 
@@ -158,7 +171,8 @@ def test_layout_matches_single_process(runs, layout):
     assert max(abs(a - b) for a, b in zip(got_val, ref_val)) < LOSS_TOL
 
 
-@pytest.mark.parametrize("resumed", ["fsdp2_from4", "single_from4", "cp2_from4"])  # cp2: a CP change reshards
+# cp2: a CP change reshards; fsdp2_from1: a one-process checkpoint goes on with the same global draws on 2 ranks
+@pytest.mark.parametrize("resumed", ["fsdp2_from4", "single_from4", "cp2_from4", "fsdp2_from1"])
 def test_checkpoint_from_4_ranks_resumes_on_fewer(runs, resumed):
     ref = losses(runs / "single")
     assert sorted(losses(runs / "fsdp4")) == [1, 2, 3]
