@@ -170,6 +170,7 @@ def startup(sizes: list[int]) -> None:
                 "data.source": str(data),
                 "data.max_bytes": "null",
                 "data.tokenizer.path": str(tok),
+                "data.tokenizer.vocab_size": "32000",
                 "data.cache_dir": str(cache),
                 "optim.max_steps": "1",
                 "logging.eval_interval": "1000",

@@ -4,9 +4,9 @@ or "about 1e-5"?
 
     .venv/bin/python benchmarks/sft_lr_sweep.py [--steps 300] [--lrs 1e-5,3e-4,3e-3,3e-2]
 
-Pretrains the tiny Llama for 60 steps on the stdlib (lr 3e-3), exports it, then fine-tunes it on the
-sort/uppercase task with each lr, full SFT and LoRA (tiny_sft.yaml / tiny_lora.yaml settings), and
-prints held-out loss and exact match. Not a test: a few minutes on two CPU cores.
+Takes the tiny Llama pretrained for 60 steps on the stdlib (lr 3e-3; ``pretrained_base``, the notebooks' base),
+then fine-tunes it on the sort/uppercase task with each lr, full SFT and LoRA (tiny_sft.yaml / tiny_lora.yaml
+settings), and prints held-out loss and exact match. Not a test: a few minutes on two CPU cores.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import FAST, TINY  # noqa: E402
+from conftest import CONFIGS  # noqa: E402
 
-from canntrain_core.checkpoint.export import export_hf  # noqa: E402
+from canntrain_core.jobs.alignment_start import pretrained_base  # noqa: E402
 from canntrain_core.finetune.data import write_jsonl  # noqa: E402
 from canntrain_core.jobs.sweep import format_sweep, lr_sweep  # noqa: E402
 from canntrain_core.finetune.tasks import task_records  # noqa: E402
-from canntrain_core.recipe import load_recipe  # noqa: E402
-from canntrain_core.train.trainer import Trainer  # noqa: E402
 
 
 def main() -> None:
@@ -35,18 +33,7 @@ def main() -> None:
     ap.add_argument("--lrs", default="1e-5,3e-4,3e-3,3e-2")
     a = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="sft-lr-sweep-"))
-    pre = load_recipe(
-        TINY,
-        {
-            **FAST,
-            "data.tokenizer.vocab_size": 4096,
-            "optim.max_steps": 60,
-            "logging.ckpt_interval": 60,
-            "logging.eval_interval": 60,
-        },
-    )
-    Trainer(pre, run_dir=out / "pretrain", progress=False).fit()
-    hf = export_hf(out / "pretrain", out / "hf").out
+    hf = pretrained_base(CONFIGS, workdir=out)  # the base sft.ipynb, lora.ipynb and the tests start from
     src = write_jsonl(out / "tasks.jsonl", task_records(4000, seed=0, kinds=("sort", "upper")))
     keys = {"model.init_from": str(hf), "data.source": str(src), "logging.eval_exact_match": 64}
     rows = lr_sweep(

@@ -166,26 +166,11 @@ def task_data(tmp_path, n=4000, kinds=("sort", "upper"), seed=0) -> str:
 
 @pytest.fixture(scope="session")
 def pretrained(data_cache):
-    """A tiny Llama pretrained for 60 steps on the stdlib, exported as a Hugging Face directory."""
-    from canntrain_core.checkpoint.export import export_hf
-    from canntrain_core.train.trainer import Trainer
+    """A tiny Llama pretrained for 60 steps on the stdlib, exported as a Hugging Face directory: the fine-tuning
+    notebooks' and the alignment start's base (``jobs.alignment_start.pretrained_base``), built once."""
+    from canntrain_core.jobs.alignment_start import pretrained_base
 
-    def build(d: Path) -> None:
-        recipe = load_recipe(
-            TINY,
-            {
-                **FAST,
-                "data.tokenizer.vocab_size": 4096,
-                "data.cache_dir": data_cache,
-                "optim.max_steps": 60,
-                "logging.ckpt_interval": 60,
-                "logging.eval_interval": 60,
-            },
-        )
-        Trainer(recipe, run_dir=d / "run", progress=False).fit()
-        export_hf(d / "run", d / "hf")
-
-    return shared("pretrained", build) / "hf"
+    return pretrained_base(CONFIGS, cache_dir=data_cache)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from canntrain_core.data.cache import DataError, file_lock, key_of, resolve_cach
 from canntrain_core.data.corpus import BadRecords, list_inputs, listing_fingerprint, make_units, sample_texts, select
 from canntrain_core.data.prepare import VERSION, PrepareOptions, default_unit_bytes, prepare, remove_incomplete
 from canntrain_core.data.prepared import PreparedData, TokenWindows, is_prepared, open_prepared, split_streams
-from canntrain_core.data.sampler import ResumableSampler, val_share
+from canntrain_core.data.sampler import ResumableSampler, train_loader, val_share
 from canntrain_core.data.tokenizer import (
     TokenText,
     TrainedTokenizer,
@@ -55,20 +55,8 @@ class DataBundle(TokenText):
     info: dict[str, Any] = field(default_factory=dict)
 
     def train_loader(self) -> DataLoader:
-        """Infinite loader of [batch_size, seq_length+1] LongTensors in sampler order.
-
-        The sampler is not advanced by iteration: call ``bundle.sampler.advance(batch_size)`` after
-        each consumed micro-batch, so a checkpoint records what was trained on, not what was prefetched.
-        """
-        return DataLoader(
-            self.train,
-            batch_size=self.cfg.batch_size,
-            sampler=self.sampler,
-            num_workers=self.cfg.num_workers,
-            persistent_workers=self.cfg.persistent_workers,
-            pin_memory=False,
-            drop_last=True,
-        )
+        """Infinite loader of [batch_size, seq_length+1] LongTensors (``data.sampler.train_loader``)."""
+        return train_loader(self.train, self.sampler, self.cfg)
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[torch.Tensor]:
         """This data-parallel rank's share of the first ``n_samples`` validation samples (drawn from the sources

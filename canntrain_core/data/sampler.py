@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from canntrain_core.data.cache import DataError
 from canntrain_core.data.order import Mixture, Permutation, mix64
@@ -204,3 +204,18 @@ def val_share(rows: int, n_samples: int, batch_size: int, dp_rank: int, dp_size:
         )
     mine = range(dp_rank, total, dp_size)
     return [list(mine[k : k + batch_size]) for k in range(0, len(mine), batch_size)]
+
+
+def train_loader(dataset: Dataset, sampler: ResumableSampler, cfg) -> DataLoader:
+    """Every stage's training loader: ``data.batch_size`` rows at a time in ``sampler``'s order, forever, with
+    ``data.num_workers`` worker processes (``data.persistent_workers``). The sampler is not advanced by
+    iteration: the trainer calls ``sampler.advance(batch_size)`` after each consumed micro-batch, so a checkpoint
+    records what was trained on, not what was prefetched."""
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.persistent_workers,
+        drop_last=True,
+    )

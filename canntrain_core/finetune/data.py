@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from canntrain_core.data.cache import DataError, key_of, resolve_cache_dir
 from canntrain_core.data.corpus import list_inputs, listing_fingerprint
-from canntrain_core.data.sampler import ResumableSampler, val_share
+from canntrain_core.data.sampler import ResumableSampler, train_loader, val_share
 from canntrain_core.data.tokenizer import TokenText, get_tokenizer
 from canntrain_core.finetune.format import ChatFormat, Encoded
 from canntrain_core.finetune.records import SourceRecords, is_val, read_conversations, read_sources
@@ -135,14 +135,7 @@ class SFTBundle(TokenText):
     names: list[str] = field(default_factory=list)  # each source's name (data.sources)
 
     def train_loader(self) -> DataLoader:
-        return DataLoader(
-            self.train,
-            batch_size=self.cfg.batch_size,
-            sampler=self.sampler,
-            num_workers=self.cfg.num_workers,
-            persistent_workers=self.cfg.persistent_workers,
-            drop_last=True,
-        )
+        return train_loader(self.train, self.sampler, self.cfg)
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
         rows = len(self.val) if self.val is not None else 0

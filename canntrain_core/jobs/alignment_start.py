@@ -1,6 +1,7 @@
 """The starting point of the tiny alignment notebooks: a briefly pretrained, briefly fine-tuned Llama.
 
-:func:`tiny_start` pretrains the tiny Llama on the standard library, fine-tunes it (full SFT) on the
+:func:`tiny_start` takes the tiny Llama pretrained on the standard library (:func:`pretrained_base`, which the
+fine-tuning notebooks and the tests start from too), fine-tunes it (full SFT) on the
 verifiable sort/uppercase task, exports the result as a Hugging Face directory and writes the data the
 alignment stages read: prompts (sort only: the part of the task the fine-tuned model half knows, so a
 policy has something to improve) and preference pairs ranked by the programmatic scorer. It is cached in
@@ -11,7 +12,7 @@ copies it to where the tiny recipes look.
 The SFT is deliberately short (100 steps): the model has learned the answer format and half the task,
 which leaves a clear margin for reinforcement learning to show; ``sft.ipynb`` trains it to the end.
 
-Both caches (the start, and :func:`trained` runs) are keyed by :func:`code_version` too: what a cache holds
+The caches (the base, the start, and :func:`trained` runs) are keyed by :func:`code_version` too: what a cache holds
 was made by the code now installed, or it is not used. ``tests/stages/test_rlhf.py`` trains in the notebooks'
 workdir (``$CANNTRAIN_RUNS/rlhf`` under the test suite) with their recipes, so CI runs each training once.
 """
@@ -46,6 +47,7 @@ class Start:
     prompts: Path  # instruction records of the sort task: the online stages' prompts
     pairs: Path  # preference pairs for the reward model and DPO
     sft_run: Path
+    pretrained_hf: Path  # the pretrained base the SFT started from (pretrained_base)
 
 
 def tiny_start(
@@ -77,30 +79,12 @@ def _build_start(root: Path, recipes, settings: dict, pretrain_steps: int, sft_s
     from canntrain_core.recipe import load_recipe
     from canntrain_core.finetune.alignment_data import preference_records
     from canntrain_core.stages import make_trainer
-    from canntrain_core.train.trainer import Trainer
 
-    done = Start(root / "sft_hf", root / "prompts.jsonl", root / "pairs.jsonl", root / "sft")
+    base = pretrained_base(recipes[0].parent, pretrain_steps, seed, cache_dir)  # built once, shared
+    done = Start(root / "sft_hf", root / "prompts.jsonl", root / "pairs.jsonl", root / "sft", base)
     if (root / "settings.json").is_file():  # written last: a complete start
         return done
     shutil.rmtree(root, ignore_errors=True)
-    pre = load_recipe(
-        recipes[0],
-        {
-            "data.max_bytes": 300_000,
-            "data.seq_length": 64,
-            "data.batch_size": 4,
-            "optim.max_steps": pretrain_steps,
-            "optim.warmup_steps": 2,
-            "logging.log_interval": 10,
-            "logging.eval_interval": pretrain_steps,
-            "logging.eval_batches": 2,
-            "logging.ckpt_interval": pretrain_steps,
-            "experiment.seed": seed,
-            **({"data.cache_dir": cache_dir} if cache_dir else {}),
-        },
-    )
-    Trainer(pre, run_dir=root / "pretrain", progress=False).fit()
-    base = export_hf(root / "pretrain", root / "pretrained_hf").out
     tasks = write_jsonl(root / "tasks.jsonl", task_records(4000, seed=seed, kinds=("sort", "upper")))
     sft = load_recipe(
         recipes[1],
@@ -119,6 +103,45 @@ def _build_start(root: Path, recipes, settings: dict, pretrain_steps: int, sft_s
     write_jsonl(done.pairs, preference_records(3000, seed=seed, kinds=("sort",)))
     (root / "settings.json").write_text(json.dumps(settings))
     return done
+
+
+def pretrained_base(
+    configs: str | Path, steps: int = 60, seed: int = 0, cache_dir: str | None = None, workdir: str | Path | None = None
+) -> Path:
+    """The tiny Llama pretrained for ``steps`` on 300 KB of the standard library (``configs``' tiny_pretrain.yaml)
+    and exported as a Hugging Face directory: what the fine-tuning notebooks, the alignment start and the tests
+    start from. Built once in ``workdir`` (default ``runs/start``, ``$CANNTRAIN_RUNS/start`` when set) under a
+    lock and reused while the code is the same (:func:`code_version`)."""
+    from canntrain_core.checkpoint.export import export_hf
+    from canntrain_core.recipe import load_recipe
+    from canntrain_core.train.trainer import Trainer, runs_root
+
+    recipe_path = Path(configs) / "tiny_pretrain.yaml"
+    root = Path(workdir or runs_root() / "start").resolve() / f"pretrained-{steps}-{seed}-{code_version(recipe_path)}"
+    with file_lock(root.with_name(root.name + ".lock")):
+        if (root / "done").is_file():
+            return root / "hf"
+        shutil.rmtree(root, ignore_errors=True)
+        pre = load_recipe(
+            recipe_path,
+            {
+                "data.max_bytes": 300_000,
+                "data.seq_length": 64,
+                "data.batch_size": 4,
+                "optim.max_steps": steps,
+                "optim.warmup_steps": 2,
+                "logging.log_interval": 10,
+                "logging.eval_interval": steps,
+                "logging.eval_batches": 2,
+                "logging.ckpt_interval": steps,
+                "experiment.seed": seed,
+                **({"data.cache_dir": cache_dir} if cache_dir else {}),
+            },
+        )
+        Trainer(pre, run_dir=root / "run", progress=False).fit()
+        export_hf(root / "run", root / "hf")
+        (root / "done").write_text("")
+    return root / "hf"
 
 
 def trained(recipe, workdir: str | Path, name: str):

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.directory)
     start = tiny_start(args.cache or out / ".start", args.configs)
     made = {
-        "tiny_pretrained_hf": start.sft_run.parent / "pretrained_hf",
+        "tiny_pretrained_hf": start.pretrained_hf,
         "tiny_sft_hf": start.sft_hf,
         "tasks.jsonl": start.sft_run.parent / "tasks.jsonl",
         "prompts.jsonl": start.prompts,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from canntrain_core.data.cache import DataError
-from canntrain_core.data.sampler import ResumableSampler, val_share
+from canntrain_core.data.sampler import ResumableSampler, train_loader, val_share
 from canntrain_core.models.rollout import layout
 from canntrain_core.finetune.alignment_data import encode_answer, read_pairs
 from canntrain_core.finetune.format import ChatFormat
@@ -69,16 +69,7 @@ class PairBundle(TokenText):
         self.format = fmt
 
     def train_loader(self):
-        from torch.utils.data import DataLoader
-
-        return DataLoader(
-            self.train,
-            batch_size=self.cfg.batch_size,
-            sampler=self.sampler,
-            num_workers=self.cfg.num_workers,
-            persistent_workers=self.cfg.persistent_workers,
-            drop_last=True,
-        )
+        return train_loader(self.train, self.sampler, self.cfg)
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
         share = val_share(

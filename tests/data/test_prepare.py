@@ -123,6 +123,7 @@ def test_workers_and_nodes_change_nothing(corpus, reference, tmp_path):
         prepare(src, tmp_path / "two", tokenizer=tok, opts=PrepareOptions(unit_bytes=32 << 10), progress=False)
 
 
+@pytest.mark.slow  # a subprocess killed mid-run
 def test_a_killed_prepare_resumes_to_identical_shards(tmp_path):
     src = tmp_path / "big.jsonl"  # about 1 MB in 32 KB units: seconds of work, so the kill lands mid-run
     src.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in documents() * 2))
