@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.canntrain-installed
 RUN_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: setup run lint test test-fast lab clean
+.PHONY: setup run lint bytecode test test-fast lab clean
 
 setup: $(STAMP)
 
@@ -34,11 +34,16 @@ lint: $(STAMP)
 # a second thread, while a second worker overlaps process start-up and imports. A file's tests stay on one worker
 # (its module's shared runs are built once); runs shared across files are cached under a lock (jobs/alignment_start).
 WORKERS ?= 2
-test: $(STAMP) lint
+test: $(STAMP) lint bytecode
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests cookbook --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
+# The project's bytecode, written once: the suite starts a few hundred Python processes (notebook kernels, torchrun
+# ranks, commands), and where PYTHONDONTWRITEBYTECODE is set each would otherwise compile canntrain from source.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q canntrain_core canntrain_kernels tests >/dev/null
+
 # The edit loop: unit and single-process tests, no notebooks, no multi-process launches (a few minutes).
-test-fast: $(STAMP) lint
+test-fast: $(STAMP) lint bytecode
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 lab: $(STAMP)

@@ -95,10 +95,6 @@ class Mixture:
             order = np.lexsort((o, t))[: self.PERIOD]  # by time, ties by source
             self.source, self.rank = o[order], r[order]
         self.per_period = np.bincount(self.source, minlength=k).astype(np.int64)
-        # draws of each source before position p of a period, for counts at any g
-        self._before = np.zeros((k, self.PERIOD + 1), dtype=np.int64)
-        for s in range(k):
-            np.cumsum(self.source == s, out=self._before[s, 1:])
 
     def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, draw number within that source) of each global draw ``g``."""
@@ -110,4 +106,4 @@ class Mixture:
     def counts(self, g: int) -> np.ndarray:
         """How many of the first ``g`` draws came from each source."""
         period, pos = divmod(int(g), self.PERIOD)
-        return period * self.per_period + self._before[:, pos]
+        return period * self.per_period + np.bincount(self.source[:pos], minlength=len(self.per_period))

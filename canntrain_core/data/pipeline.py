@@ -25,7 +25,14 @@ from torch.utils.data import ConcatDataset, DataLoader
 from canntrain_core.data.cache import DataError, file_lock, key_of, resolve_cache_dir
 from canntrain_core.data.corpus import BadRecords, list_inputs, listing_fingerprint, make_units, sample_texts, select
 from canntrain_core.data.prepare import VERSION, PrepareOptions, default_unit_bytes, prepare, remove_incomplete
-from canntrain_core.data.prepared import PreparedData, TokenWindows, is_prepared, open_prepared, split_streams
+from canntrain_core.data.prepared import (
+    PreparedData,
+    TokenWindows,
+    is_prepared,
+    open_prepared,
+    read_manifest,
+    split_streams,
+)
 from canntrain_core.data.sampler import ResumableSampler, train_loader, val_share
 from canntrain_core.data.tokenizer import (
     TokenText,
@@ -51,7 +58,6 @@ class DataBundle(TokenText):
     val: ConcatDataset | None  # None only when data.val_fraction == 0
     sampler: ResumableSampler
     names: list[str]  # each source's name (metrics: tokens/<name>)
-    datasets: list[PreparedData] = field(repr=False, default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
 
     def train_loader(self) -> DataLoader:
@@ -101,12 +107,8 @@ def model_vocab_size(cfg: DataConfig) -> int:
             mixture = cfg.mixture
         except ValueError:
             mixture = []
-        for s in mixture:
-            if is_prepared(s.path):
-                manifest = open_prepared(s.path).manifest
-                if manifest is not None:
-                    size = manifest["tokenizer"]["vocab_size"]
-                    break
+        manifests = (read_manifest(s.path) for s in mixture)
+        size = next((m["tokenizer"]["vocab_size"] for m in manifests if m is not None), None)
     return resolved_vocab_size(cfg, size)
 
 
@@ -169,7 +171,7 @@ def build_data(
         raise DataError(
             f"data.max_bytes / data.max_files cut a raw corpus; {mixture[k].path} is prepared and is used whole"
         )
-    tok, tokenizer_source = _choose_tokenizer(cfg, mixture, (named, named_source), ready, cache_dir)
+    tok, tokenizer_source = _choose_tokenizer(cfg, mixture, named, named_source, ready, cache_dir)
     raw_stats = {}
     for k, s in enumerate(mixture):
         if k not in ready:
@@ -250,7 +252,6 @@ def build_data(
         val=ConcatDataset(vals) if vals else None,
         sampler=sampler,
         names=names,
-        datasets=datasets,
         info=info,
     )
 
@@ -276,9 +277,8 @@ def _named_tokenizer(cfg: DataConfig, given: TrainedTokenizer | None) -> Trained
     return given or own
 
 
-def _choose_tokenizer(cfg, mixture, named, ready, cache_dir) -> tuple[TrainedTokenizer, str]:
+def _choose_tokenizer(cfg, mixture, named, named_source, ready, cache_dir) -> tuple[TrainedTokenizer, str]:
     """(tokenizer, where it came from): see the module docstring."""
-    named, named_source = named
     prepared = {k: d for k, d in ready.items() if d.tokenizer_sha256 is not None}
     reference = named
     for k, d in prepared.items():

@@ -66,15 +66,27 @@ def is_prepared(path: str | Path) -> bool:
     return idx_path(p).is_file() or (p.suffix in (".idx", ".bin") and p.is_file())
 
 
+def read_manifest(path: str | Path) -> dict | None:
+    """The manifest of the prepared dataset at ``path`` (None: not a canntrain prepared dataset)."""
+    p = Path(path).expanduser() / MANIFEST
+    if not p.is_file():
+        return None
+    try:
+        manifest = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise DataError(f"{p}: not a JSON manifest (a preparation that did not finish? run it again)") from None
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{p}: not a canntrain prepared dataset (format {manifest.get('format')!r})")
+    return manifest
+
+
 def open_prepared(path: str | Path) -> PreparedData:
     """Open a prepared dataset directory, a directory of Megatron ``.bin``/``.idx`` pairs, or one prefix."""
     p = Path(path).expanduser().resolve()
     if p.suffix in (".idx", ".bin") and p.is_file():
         p = p.with_suffix("")
-    if p.is_dir() and (p / MANIFEST).is_file():
-        manifest = json.loads((p / MANIFEST).read_text(encoding="utf-8"))
-        if manifest.get("format") != FORMAT:
-            raise DataError(f"{p / MANIFEST}: not a canntrain prepared dataset (format {manifest.get('format')!r})")
+    manifest = read_manifest(p) if p.is_dir() else None
+    if manifest is not None:
         shards = [IndexedTokens(p / s["prefix"]) for s in manifest["shards"]]
         for s, meta in zip(shards, manifest["shards"]):
             if s.n_tokens != meta["tokens"]:

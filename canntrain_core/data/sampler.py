@@ -121,10 +121,11 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         # Snapshot: advancing the sampler later must not disturb an iterator already running.
         g = self.consumed + self.dp_rank
+        block = max(1, min(_BLOCK, self.samples_per_epoch))  # a block spans an epoch at most
         while True:
-            draws = g + self.dp_size * np.arange(_BLOCK, dtype=np.int64)
+            draws = g + self.dp_size * np.arange(block, dtype=np.int64)
             yield from self.indices(draws).tolist()
-            g += self.dp_size * _BLOCK
+            g += self.dp_size * block
 
     def advance(self, n: int) -> None:
         """Record that this rank consumed ``n`` more samples (every rank consumes the same number per step)."""

@@ -14,9 +14,17 @@ import torch
 from canntrain_core.data import DataError, PrepareOptions, build_data, open_prepared, prepare, train_tokenizer
 from canntrain_core.recipe import DataConfig, TokenizerConfig
 
-with warnings.catch_warnings():  # megatron-core warns that Apex and Transformer Engine are absent: not used here
-    warnings.simplefilter("ignore")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+pytestmark = pytest.mark.slow  # importing megatron-core takes seconds: the full suite checks the format
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    """megatron-core's indexed dataset module, imported when a test here runs (not when test-fast collects)."""
+    with warnings.catch_warnings():  # megatron-core warns that Apex and Transformer Engine are absent: not used here
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
 
 TEXTS = [f"document {i}: " + " ".join(["token"] * (i % 13) + ["end"]) for i in range(200)]
 
@@ -28,14 +36,14 @@ def tokenizer_dir(tmp_path_factory):
     return d
 
 
-def test_megatron_reads_canntrain_shards(tokenizer_dir, tmp_path):
+def test_megatron_reads_canntrain_shards(megatron, tokenizer_dir, tmp_path):
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     prepare([str(src)], tmp_path / "out", tokenizer=tokenizer_dir, opts=PrepareOptions(unit_bytes=2048), progress=False)
     data = open_prepared(tmp_path / "out")
     assert len(data.shards) > 2
     for ours in data.shards:
-        theirs = IndexedDataset(str(ours.prefix))
+        theirs = megatron.IndexedDataset(str(ours.prefix))
         assert len(theirs) == ours.n_documents
         assert theirs.index.dtype == np.uint16
         assert np.array_equal(theirs.sequence_lengths, ours.sequence_lengths)
@@ -45,12 +53,12 @@ def test_megatron_reads_canntrain_shards(tokenizer_dir, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
-def test_canntrain_trains_on_what_megatron_wrote(tokenizer_dir, tmp_path, dtype):
+def test_canntrain_trains_on_what_megatron_wrote(megatron, tokenizer_dir, tmp_path, dtype):
     from canntrain_core.data import load_tokenizer_dir
 
     tok = load_tokenizer_dir(tokenizer_dir)
     docs = [tok.tokenizer.encode(t).ids + [tok.eos_id] for t in TEXTS]
-    builder = IndexedDatasetBuilder(str(tmp_path / "corpus_text_document.bin"), dtype=dtype)
+    builder = megatron.IndexedDatasetBuilder(str(tmp_path / "corpus_text_document.bin"), dtype=dtype)
     for d in docs:
         builder.add_document(np.asarray(d), [len(d)])  # (its own preprocess_data passes lists too)
     builder.finalize(str(tmp_path / "corpus_text_document.idx"))

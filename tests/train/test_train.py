@@ -110,6 +110,7 @@ def test_schedule_warmup_cosine_floor(fast_recipe):
     assert all(a >= b for a, b in zip(factors, factors[1:]))
 
 
+@pytest.mark.slow  # two `canntrain train` processes
 def test_cli_train_resume_appends_metrics(tmp_path, data_cache):
     env = {**os.environ, "CANNTRAIN_CACHE": data_cache}
     common = [
@@ -174,6 +175,7 @@ def test_out_of_memory_names_estimate_and_fix_and_keeps_checkpoint(tmp_path, fas
     verify_checkpoint(tmp_path / "checkpoints" / "step_3")
 
 
+@pytest.mark.slow  # training processes, one killed
 def test_killed_process_resumes_to_the_same_losses(tmp_path, fast_recipe, data_cache):
     """SIGKILL a real `canntrain train` mid-run; `--resume-from auto` must finish the same curve."""
     import signal
