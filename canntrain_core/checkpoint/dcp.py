@@ -17,6 +17,7 @@ or whose files do not match it, is reported and skipped by ``resume_from: auto``
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -39,11 +40,84 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from canntrain_core.errors import BadInput
+from canntrain_core.errors import BadInput, CanntrainError
 from canntrain_core.runtime.distributed import from_rank0, rank
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _save_tensors(state: dict, trainer_state: dict, tmp: Path) -> None:
+    with single_process_ok():
+        dcp.save(state, checkpoint_id=str(tmp))
+    torch.save(trainer_state, tmp / f"trainer_state_rank{rank()}.pt")
+
+
+def _write_files(tmp: Path, files: dict[str, str], step: int) -> None:
+    for name, text in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # e.g. additional_chat_templates/
+        (tmp / name).write_text(text, encoding="utf-8")
+    _write_manifest(tmp, step)
+
+
+def _writing(work) -> str | None:
+    """Run ``work``; what stopped it writing (:func:`write_failure`), or None when it finished."""
+    try:
+        work()
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        failed = write_failure(e)
+        if failed is None:
+            raise
+        return failed
+    return None
+
+
+def _first_of_all_ranks(failed: str | None) -> str | None:
+    """Every rank learns whether any rank failed to write (a collective: every rank calls it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return failed
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failed)
+    return next((f for f in everyone if f is not None), None)
+
+
+def write_failure(e: BaseException) -> str | None:
+    """What an OSError behind ``e`` (itself, its causes, or a rank's failure inside torch's CheckpointException)
+    says about writing: 'the disk is full (ENOSPC)' and the like; None when there is none."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in _WRITE_ERRNOS:
+            return f"{_WRITE_ERRNOS[x.errno]} ({errno.errorcode.get(x.errno, x.errno)})"
+        todo += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+_WRITE_ERRNOS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EFBIG: "a file grew past the size limit",
+}
+
+
+def _free(path: Path) -> str:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    return f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free there now"
+
+
+class CheckpointWriteFailed(CanntrainError):
+    """A checkpoint could not be written (disk full, quota, read-only): the half-written copy is removed, earlier
+    checkpoints stay."""
 
 
 class CheckpointError(BadInput, RuntimeError):
@@ -208,15 +282,20 @@ def save_checkpoint(
         "model": get_model_state_dict(model, options=options),
         "optim": get_optimizer_state_dict(model, optimizer, options=options),
     }
-    with single_process_ok():
-        dcp.save(state, checkpoint_id=str(tmp))
-    torch.save(trainer_state, tmp / f"trainer_state_rank{rank()}.pt")
-    _barrier()
+    failed = _writing(lambda: _save_tensors(state, trainer_state, tmp))  # each rank its own shards and state
+    failed = _first_of_all_ranks(failed)  # (also the barrier before rank 0 completes the directory)
+    if failed is None and rank() == 0:
+        failed = _writing(lambda: _write_files(tmp, files, step))
+    failed = from_rank0(failed) or failed
+    if failed is not None:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint would keep the disk full
+        raise CheckpointWriteFailed(
+            f"checkpoint step_{step} could not be written under {root}: {failed} ({_free(root)}); the half-written "
+            f"copy was removed and earlier checkpoints are as they were: free space (or raise logging.ckpt_interval, "
+            "lower logging.keep_last) and resume with --resume-from auto"
+        )
     if rank() == 0:
-        for name, text in files.items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # e.g. additional_chat_templates/
-            (tmp / name).write_text(text, encoding="utf-8")
-        _write_manifest(tmp, step)
         os.rename(tmp, final)  # atomic on one file system: step_N appears complete or not at all
         if keep_last:
             # Only complete checkpoints count; damaged ones were renamed aside and are never deleted.

@@ -86,6 +86,13 @@ class Generator:
         if temperature < 0:
             raise BadInput(f"--temperature {temperature}: must be >= 0 (0: greedy)")
         ids = [self.prompt_ids(p, chat, system) for p in prompts]
+        positions = self.model.config.max_position_embeddings
+        longest = max(len(i) for i in ids)
+        if longest + max_new_tokens > positions:
+            raise BadInput(
+                f"a {longest}-token prompt + --max-new-tokens {max_new_tokens} is longer than the model's {positions} "
+                "positions: shorten the prompt or ask for fewer tokens"
+            )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             rows = generate(self.model, ids, max_new_tokens, self.eos_id, temperature, top_k, stop_ids=self.end_ids)

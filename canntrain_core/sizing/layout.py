@@ -27,6 +27,7 @@ class Layout:
     packing: bool = False  # packed instruction rows carry a block-diagonal mask
     lora: bool = False
     seq_length: int = 0  # tokens per row (0: not known here)
+    step_rows: int = 0  # rows a rank feeds a pipeline schedule per optimizer step (0: not known here)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "Layout":
@@ -46,6 +47,7 @@ class Layout:
             packing=recipe.data.packing,  # an SFT key: the schema refuses it elsewhere
             lora=recipe.lora.enabled,
             seq_length=recipe.data.seq_length,
+            step_rows=recipe.data.batch_size * recipe.optim.grad_accum_steps,
         )
 
     @classmethod
@@ -123,6 +125,11 @@ def layout_problems(
             f"pipeline_parallel_size={L.pp} needs at least {L.pp} micro-batches per step, got "
             f"{L.microbatches} (raise optim.grad_accum_steps or distributed.num_microbatches)"
         )
+    if L.pp > 1 and L.step_rows and L.step_rows % L.microbatches:
+        out.append(
+            f"distributed.num_microbatches={L.microbatches} does not divide the {L.step_rows} rows a pipeline step "
+            "splits (data.batch_size x optim.grad_accum_steps): every micro-batch must hold as many rows"
+        )
     if L.pp > 1 and L.precision == "fp16":
         out.append("model.precision=fp16 with pipeline parallel is not supported; use bf16")
     if L.packing and L.pp > 1:
@@ -145,6 +152,13 @@ def layout_problems(
             "a model with tie_word_embeddings cannot be split by pipeline_parallel_size > 1: the first "
             "stage holds the embedding and the last the head, which must stay one tensor "
             "(set model.overrides.tie_word_embeddings=false, or train without pipeline parallel)"
+        )
+    if model is not None and L.seq_length > model.max_positions:
+        what = "learned position table" if model.kind == "gpt" else "max_position_embeddings"
+        out.append(
+            f"data.seq_length={L.seq_length} is longer than the model's {model.max_positions} positions ({what}): "
+            "lower data.seq_length, or raise the model's positions (model.overrides) where its position encoding "
+            "allows it"
         )
     if model is not None:
         split = [("attention heads", model.num_heads), ("KV heads", model.num_kv_heads)]

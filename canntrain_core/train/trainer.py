@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,26 @@ from canntrain_core.train.timing import TraceWindow
 
 
 class RunDirError(BadInput):
-    """The run directory holds an earlier run that this one would overwrite."""
+    """The run directory holds an earlier run that this one would overwrite, or cannot be written."""
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse, before any work, a run directory that cannot be made or written: it is a file, a parent of it is a
+    file, or the nearest existing directory is not writable (a read-only file system, permissions)."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == run_dir and not run_dir.is_dir():
+        raise RunDirError(f"run directory {run_dir} is a file, not a directory; choose another --run-dir")
+    if not existing.is_dir():
+        raise RunDirError(f"run directory {run_dir}: {existing} is a file, so no directory can be made under it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "a read-only file system" if _read_only(existing) else "no write permission"
+        raise RunDirError(f"run directory {run_dir}: {existing} cannot be written ({why}); choose another --run-dir")
+
+
+def _read_only(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -148,7 +168,7 @@ class Trainer:
         # Rank 0 inspects the run directory (and hashes the checkpoint once); every rank gets its
         # answer, and no rank goes on before it has one, so nothing is written before the check.
         resume_path = self._on_rank0(
-            lambda: self._resume_path(resume_from if resume_from is not None else r.resume_from)
+            lambda: self._inspect_run_dir(resume_from if resume_from is not None else r.resume_from)
         )
 
         seed_everything(r.experiment.seed)
@@ -749,6 +769,17 @@ class Trainer:
         if self.rank == 0:
             self.metrics.truncate_after(self.step)
             print(f"resumed from {path} at step {self.step}")
+
+    def _inspect_run_dir(self, resume_from: str | Path | None) -> Path | None:
+        """The checkpoint to resume from, once the run directory is known to be usable (``check_run_dir``)."""
+        check_run_dir(self.run_dir)
+        orphans = sorted(self.ckpt_root.glob(".tmp-step_*")) if self.ckpt_root.is_dir() else []
+        for p in orphans:  # what a killed save left: never a checkpoint, and it holds disk space
+            shutil.rmtree(p, ignore_errors=True)
+        if orphans:
+            names = ", ".join(p.name for p in orphans)
+            print(f"removed {len(orphans)} half-written checkpoint(s) an interrupted save left: {names}")
+        return self._resume_path(resume_from)
 
     def _resume_path(self, resume_from: str | Path | None) -> Path | None:
         existing = checkpoint.list_checkpoints(self.ckpt_root)

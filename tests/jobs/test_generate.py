@@ -260,6 +260,10 @@ def test_generate_from_a_lora_run_folds_its_adapters_into_the_base(pretrained, t
         ),
         (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
         (
+            ["--prompt", "x", "--max-new-tokens", "5000"],
+            "a 1-token prompt + --max-new-tokens 5000 is longer than the model's 2048 positions",
+        ),
+        (
             [
                 "--prompt",
                 "",
