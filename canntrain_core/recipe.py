@@ -42,6 +42,8 @@ class ModelConfig(_Section):
     init_from: str | None = None
     # Keys of the transformers config to change, e.g. {num_hidden_layers: 2}.
     overrides: dict[str, Any] = Field(default_factory=dict)
+    # fp32 by default: the tiny CPU recipes (bf16 on a CPU is slow and lossy); every 910B recipe sets bf16, the
+    # cann-recipes-train articles' default.
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"
     # Which fused-kernel backend the model uses (see canntrain_kernels/): auto picks the fastest checked one.
     kernels: Literal["auto", "eager", "compile", "npu", "cuda", "cpu"] = "eager"
@@ -619,18 +621,50 @@ def _apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# The cann-recipes-train articles' recipe keys and what each is called here: an "unknown key" among them says so.
+# README, "Coming from the cann-recipes-train articles", shows the same table.
+ARTICLE_KEYS = {
+    "model_name": "model.preset (a shape by name, e.g. llama2-70b) or model.init_from (a Hugging Face directory)",
+    "model.config_path": "model.init_from (a directory with config.json) or model.preset",
+    "data.path": "data.source",
+    "distributed.parallel_mode": "nothing: the parallel sizes say the layout",
+    "parallel_config": "distributed: tensor_model_parallel_size is distributed.tensor_parallel_size, "
+    "pipeline_model_parallel_size distributed.pipeline_parallel_size, context_parallel_size and expert_parallel_size "
+    "the same names under distributed",
+    "training_config": "data.batch_size (batch_size_per_device), optim.grad_accum_steps (gradient_accumulation_steps), "
+    "optim.lr (learning_rate), optim.warmup_steps, optim.max_steps (num_training_steps), optim.epochs "
+    "(num_training_epochs), logging.ckpt_interval (save_interval_steps), lora (lora_config)",
+    "rlhf_config": "rlhf with train_mode: ppo (stage); actor_model is model.init_from, reward_model rlhf.reward_model; "
+    "kl_coeff, ppo_epochs, generate_max_length and device_placement the same names under rlhf",
+    "batch_size_per_device": "data.batch_size",
+    "gradient_accumulation_steps": "optim.grad_accum_steps",
+    "learning_rate": "optim.lr",
+    "warmup_steps": "optim.warmup_steps",
+    "num_training_steps": "optim.max_steps",
+    "num_training_epochs": "optim.epochs",
+    "save_interval_steps": "logging.ckpt_interval",
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_config": "lora",
+}
+
+
 def _format_errors(err: ValidationError, source: str, lines: dict[str, int], from_override: set[str]) -> str:
     msgs = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         # Pydantic puts model-level (cross-field) errors on the section itself.
         where = source
-        if key in from_override:
+        if any(o == key or o.startswith(key + ".") for o in from_override):  # a whole unknown section from --set
             where = "override"
         elif key in lines:
             where = f"{source}, line {lines[key]}"
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + (
+                f" (the cann-recipes-train articles' key; here: {ARTICLE_KEYS[key]})" if key in ARTICLE_KEYS else ""
+            )
+        elif key == "lora" and not isinstance(e.get("input"), dict):
+            msg = "a section here: lora: {enabled: true, rank: 8} (the articles' lora: true, lora_rank: 8)"
         else:
             msg = e["msg"].removeprefix("Value error, ")
             if "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):

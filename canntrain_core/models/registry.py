@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from canntrain_core.errors import BadInput
 from canntrain_core.families import family_of, family_of_preset
@@ -25,6 +27,7 @@ def build_config(preset: str, overrides: dict[str, Any] | None = None, vocab_siz
     for key in overrides or {}:
         if not hasattr(cls(), key) and key not in known:
             raise KeyError(f"model.overrides.{key}: not a {cls.__name__} field")
+    _check_rope(fields.get("rope_parameters") or fields.get("rope_scaling"), "model.overrides")  # before transformers
     config = cls(**fields)
     config._attn_implementation = "sdpa"
     return config
@@ -54,10 +57,22 @@ def model_config(m, vocab_size: int | None = None):
 
 
 def _check_built(config, where) -> None:
-    """One line naming what of ``config`` its family does not build (families.family.Family.not_built)."""
+    """One line naming what of ``config`` its family does not build (families.family.Family.not_built), or a RoPE
+    variant this transformers does not know (a config a newer one wrote)."""
     why = family_of(config).not_built(config)
     if why:
         raise BadInput(f"{where}: {why}")
+    _check_rope(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None), where)
+
+
+def _check_rope(rope, where) -> None:
+    """A RoPE variant this transformers does not know (a config a newer one wrote) is named, not a KeyError later."""
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type not in (None, "default") and rope_type not in ROPE_INIT_FUNCTIONS:
+        raise BadInput(
+            f"{where}: rope_type {rope_type!r} is not one transformers {transformers.__version__} knows "
+            f"({', '.join(sorted(ROPE_INIT_FUNCTIONS))} or default): a config written by a newer transformers?"
+        )
 
 
 def build_model(

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
-PHASES = ("data", "compute")  # a step's order: waiting for its batch, then forward, backward and the update
+# a step's order: waiting for its batch; forward, backward and the update; its evaluation; its checkpoint
+PHASES = ("data", "compute", "evaluate", "checkpoint")
 _KEY = "canntrain/where/{}"
 
 
@@ -29,10 +30,12 @@ def enable_flight_recorder(entries: int = 2000) -> None:
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """A collective timed out, or a peer's connection closed under it (gloo's words; NCCL's DistBackendError)."""
+    """A collective timed out, or a peer's connection closed or was reset under it (gloo's words; NCCL's
+    DistBackendError); also when torch's CheckpointException carries it from a save's collectives."""
     text = str(error)
     return isinstance(error, dist.DistBackendError) or any(
-        s in text for s in ("Timed out waiting", "Connection closed by peer", "Socket Timeout")
+        s in text
+        for s in ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Socket Timeout")
     )
 
 

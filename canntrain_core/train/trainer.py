@@ -363,6 +363,7 @@ class Trainer:
                 last = self.step == r.optim.max_steps
                 record = logged = self.log_record(raw, last)
                 if self.step % r.logging.eval_interval == 0 or last:
+                    self.where.post(self.step, "evaluate")
                     with self.paused():
                         record = self.with_evaluation(record, raw)
                 if self.progress:
@@ -370,6 +371,7 @@ class Trainer:
                 if record:
                     self._write({"step": self.step, **record})
                 if self.step % r.logging.ckpt_interval == 0 or self.step in (r.optim.max_steps, stop_after):
+                    self.where.post(self.step, "checkpoint")
                     with self.paused():
                         started = time.perf_counter()
                         self.save()
@@ -378,7 +380,7 @@ class Trainer:
                     break
                 if logged:  # the next interval's clock (and breakdown) starts; an evaluation alone does not end one
                     self.window = [time.perf_counter(), 0]
-        except RuntimeError as e:
+        except BaseException as e:  # a save's collectives fail inside torch's CheckpointException, a BaseException
             if not is_collective_failure(e):
                 raise
             raise CollectiveFailed(

@@ -179,3 +179,22 @@ def test_a_hung_rank_is_named_with_the_collective_and_the_step(tmp_path, data_ca
     assert "gloo:" in line and "ranks [0, 1]" in line  # the collective and its group, from the flight recorder
     assert "Not there yet: rank 1 at step 3 (data)" in line
     assert line.endswith(f"The last complete checkpoint is {tmp_path / 'run' / 'checkpoints' / 'step_2'}.")
+
+
+def test_a_dead_peer_under_a_checkpoint_is_a_collective_failure():
+    """gloo says a dead peer's connection was reset (or closed); inside a save, torch wraps it in its
+    CheckpointException, a BaseException: both are recognised, so the run ends with the one-line diagnosis."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from canntrain_core.runtime.watchdog import PHASES, Position, is_collective_failure
+
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:29500: Connection reset by peer")
+    assert is_collective_failure(reset)
+    wrapped = CheckpointException("save failed", {1: (reset, traceback.StackSummary())})
+    assert is_collective_failure(wrapped)
+    assert not is_collective_failure(CheckpointException("save failed", {0: (ValueError("bad"), None)}))
+    # the checkpoint's own phase, after the step's evaluation: a rank saving is ahead of one still evaluating
+    assert PHASES[-2:] == ("evaluate", "checkpoint")
+    assert Position(3, "evaluate") < Position(3, "checkpoint") < Position(4, "data")
