@@ -245,12 +245,15 @@ def _transformers_tokenizer(directory: Path):
         raise DataError(f"{directory}: transformers cannot load its tokenizer ({e})") from None
 
 
-def pretrained_tokenizer(init_from: str | Path | None, config, chat_template: str | None = None) -> dict:
+def pretrained_tokenizer(
+    init_from: str | Path | None, config, chat_template: str | None = None, tokenizer_path: str | None = None
+) -> dict:
     """The data builders' extra arguments for a model from a Hugging Face directory (``model.init_from``;
-    for ``canntrain generate`` also a checkpoint or an export): its own tokenizer.json when it has one, and
-    the model's vocabulary size either way. With ``chat_template`` (``data.chat_template``: auto, tokenizer
-    or recipe; stages that format conversations), also ``chat_template``: the transformers tokenizer whose
-    chat template formats them, or None where ``data.template`` does.
+    for ``canntrain generate`` also a checkpoint or an export): its own tokenizer (tokenizer.json or a SentencePiece
+    tokenizer.model), else ``tokenizer_path``'s (``data.tokenizer.path``), else a DataError (a tokenizer trained here
+    would give the pretrained embeddings other tokens); and the model's vocabulary size. With ``chat_template``
+    (``data.chat_template``: auto, tokenizer or recipe; stages that format conversations), also ``chat_template``:
+    the transformers tokenizer whose chat template formats them, or None where ``data.template`` does.
 
     The one path that loads a pretrained tokenizer and its chat template (SFT, reward, DPO, GRPO, PPO
     and ``canntrain generate`` all come through here)."""
@@ -262,11 +265,14 @@ def pretrained_tokenizer(init_from: str | Path | None, config, chat_template: st
             )
         return {}
     d = Path(init_from)
-    if not (d / "tokenizer.json").is_file() and not (d / "tokenizer.model").is_file():
-        if chat_template == "tokenizer":
-            raise DataError(f"data.chat_template=tokenizer: {d} has no tokenizer.json; use data.chat_template=recipe")
-        return {"vocab_size": config.vocab_size, **({"chat_template": None} if chat_template else {})}
     eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    if not (d / "tokenizer.json").is_file() and not (d / "tokenizer.model").is_file():
+        if tokenizer_path is None:  # a new tokenizer would give every embedding row another token
+            raise DataError(
+                f"model.init_from: {d} holds no tokenizer (tokenizer.json or tokenizer.model); its embeddings mean "
+                "its own tokenizer's ids: copy the model's tokenizer there, or name it with data.tokenizer.path"
+            )
+        d = Path(tokenizer_path)
     given = load_tokenizer_dir(d, eos, what="model.init_from")
     hf = given.hf
     out = {"tokenizer": given, "vocab_size": config.vocab_size}

@@ -213,14 +213,9 @@ class Trainer:
         if self.rank == 0 and self.adapters_only:
             print(f"LoRA {adapter_summary(self.model)}: {trainable_summary(self.model)}")
         if self.rank == 0 and m.init_from and resume_path is None:
-            given = self.data.info["tokenizer_source"] == "given"
             print(
                 f"model: {built.source} (the architecture from its config.json); tokenizer: "
-                + (
-                    "its tokenizer.json (data.tokenizer settings do not apply)"
-                    if given
-                    else f"none there, trained on the corpus with the model's vocab_size {config.vocab_size}"
-                )
+                f"{self.data.info['tokenizer_path']} (data.tokenizer's training settings do not apply)"
                 + (f"; chat template: {self.data.info['chat_template']}" if "chat_template" in self.data.info else "")
             )
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
@@ -317,7 +312,7 @@ class Trainer:
         data builder takes its tokenizer from here (``data.tokenizer.pretrained_tokenizer``)."""
         r = self.recipe
         chat = r.data.chat_template if self.formats_conversations else None
-        args = pretrained_tokenizer(r.model.init_from, config, chat)
+        args = pretrained_tokenizer(r.model.init_from, config, chat, r.data.tokenizer.path)
         self._given_tokenizer = args.get("tokenizer")  # its special tokens go into every checkpoint
         return args
 

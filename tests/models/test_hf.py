@@ -219,7 +219,7 @@ def test_tokenizer_json_encodes_like_autotokenizer(hf_dir):
 def test_train_from_hf_then_export_loads_with_transformers(family_dir, tmp_path, data_cache, capsys):
     path, hf = family_dir
     trainer = Trainer(recipe_from(path, data_cache), run_dir=tmp_path / "run", progress=False)
-    assert "its tokenizer.json (data.tokenizer settings do not apply)" in capsys.readouterr().out
+    assert f"tokenizer: {path / 'tokenizer.json'} (data.tokenizer's training settings" in capsys.readouterr().out
     assert trainer.data.info["tokenizer_source"] == "given" and trainer.data.vocab_size == VOCAB
     trainer.fit()
     out = tmp_path / "exported"
