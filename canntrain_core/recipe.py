@@ -36,7 +36,9 @@ class ModelConfig(_Section):
     # The model family (canntrain_core/families/: llama, qwen2, qwen3, mistral). Unset: the preset's, or
     # init_from's config.json model_type; set, it must agree with them.
     type: str | None = None
-    preset: str = "tiny"
+    # A shape by name (canntrain_core/sizing/presets.py: tiny, llama2-7b, qwen2.5-72b, ...). A recipe names
+    # this or init_from: there is no default model (one would train a shape nobody asked for without a word).
+    preset: str | None = None
     # A Hugging Face model directory (config.json + safetensors, tokenizer.json if any) to start
     # from: the architecture and weights come from there, and preset / overrides must agree with it.
     init_from: str | None = None
@@ -61,8 +63,8 @@ class ModelConfig(_Section):
 
     @field_validator("preset")
     @classmethod
-    def _known_preset(cls, v: str) -> str:
-        if v not in PRESETS:
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRESETS:
             raise ValueError(f"unknown preset {v!r}; known: {', '.join(sorted(PRESETS))}")
         return v
 
@@ -75,19 +77,20 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _type_is_the_presets(self) -> "ModelConfig":
-        family = PRESET_FAMILY[self.preset].name  # (init_from's family is checked against config.json)
-        if self.type is not None and not self.init_from and self.type != family:
+        family = PRESET_FAMILY[self.preset].name if self.preset else None  # (init_from's: from config.json)
+        if self.type is not None and family and not self.init_from and self.type != family:
             raise ValueError(f"model.type={self.type} but model.preset={self.preset} is a {family} model")
-        if self.expert_capacity_factor is not None and not FAMILIES[self.family].router_class:
+        if self.expert_capacity_factor is not None and self.family and not FAMILIES[self.family].router_class:
             raise ValueError(
                 f"model.expert_capacity_factor is for a mixture of experts; {self.family} models have no experts"
             )
         return self
 
     @property
-    def family(self) -> str:
-        """The family of the preset (``model.init_from``'s comes from its config.json)."""
-        return self.type or PRESET_FAMILY[self.preset].name
+    def family(self) -> str | None:
+        """The family of the preset, or model.type; None for an init_from model that says neither (its
+        config.json's model_type says it)."""
+        return self.type or (PRESET_FAMILY[self.preset].name if self.preset else None)
 
 
 class TokenizerConfig(_Section):
@@ -549,7 +552,7 @@ class Recipe(_Section):
         d = self.distributed
         lines = [
             f"recipe {self.experiment.name!r}: {self.train_mode} "
-            f"{self.model.init_from or self.model.family + '/' + self.model.preset} in {self.model.precision}",
+            f"{self.model.init_from or f'{self.model.family}/{self.model.preset}'} in {self.model.precision}",
             f"  parallel: world {d.world_size} = tp {d.tensor_parallel_size} x pp {d.pipeline_parallel_size} "
             f"x dp {d.data_parallel_size} x cp {d.context_parallel_size} (ep {d.expert_parallel_size}, "
             f"zero {d.zero_optimization})",
@@ -673,6 +676,14 @@ def _format_errors(err: ValidationError, source: str, lines: dict[str, int], fro
     return "invalid recipe:\n  " + "\n  ".join(msgs)
 
 
+def no_model_named() -> RecipeError:
+    """What a recipe that names neither model.preset nor model.init_from is told, before anything is built."""
+    return RecipeError(
+        "model: no model named; set model.preset (a shape by name, one of "
+        f"{', '.join(sorted(PRESETS))}) or model.init_from (a Hugging Face model directory)"
+    )
+
+
 def load_recipe(
     path: str | Path | None = None,
     overrides: Mapping[str, Any] | list[str] | None = None,
@@ -695,6 +706,8 @@ def load_recipe(
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(_format_errors(e, source, lines, set(parsed))) from None
+    if path is not None and recipe.model.preset is None and not recipe.model.init_from:
+        raise RecipeError(f"{source}: {no_model_named()}")  # (the defaults alone: when a model is built)
     recipe._notes = notes
     return recipe
 

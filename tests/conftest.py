@@ -227,7 +227,7 @@ def write_hf_model(
     layers of 128); transformers' defaults for everything else."""
     import torch
     from tokenizers import pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     from canntrain_core.data.tokenizer import new_byte_level_bpe
     from canntrain_core.families import FAMILIES
@@ -260,4 +260,7 @@ def write_hf_model(
     )
     tok.train_from_iterator(texts, bpe)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(path)
+    # then as the family's own tokenizer class writes it (Qwen2Tokenizer rebuilds its pre-tokenizer), so that
+    # AutoTokenizer and tokenizer.json agree as on the hub; "</s>" for every special token it would add
+    AutoTokenizer.from_pretrained(path, unk_token="</s>", pad_token="</s>").save_pretrained(path)
     return model

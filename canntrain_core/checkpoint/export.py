@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from canntrain_core.checkpoint.dcp import CheckpointError, latest_checkpoint, single_process_ok, verify_checkpoint
+from canntrain_core.data.cache import DataError
+from canntrain_core.data.tokenizer import check_agrees_with_transformers
 from canntrain_core.errors import BadInput
 from canntrain_core.models.hf_names import to_hf_layout
 from canntrain_core.models.lora import is_adapter
@@ -109,7 +111,7 @@ def language_model_tensors(ckpt: Path, recipe: dict, config, merge: bool, what: 
     stored, prefix = stored_language_model(ckpt)
     if merge:
         check_base(ckpt, recipe["model"]["init_from"], what)
-        shapes, load = _merged_source(ckpt, stored, recipe)
+        shapes, load = _merged_source(ckpt, stored, recipe, config)
     else:
         shapes = {n: v.size for n, v in stored.items()}
         load = partial(_load_from_checkpoint, ckpt, stored, prefix=prefix)
@@ -273,30 +275,25 @@ def _write_adapter(ckpt: Path, stored: dict, recipe: dict, out: Path, dtype: tor
     return ["adapter_model.safetensors"], len(weights), sum(t.numel() * t.element_size() for t in weights.values())
 
 
-def _merged_source(ckpt: Path, stored: dict, recipe: dict):
-    """The base model's tensors (from its init_from directory) with the adapters folded in, by shard."""
-    from safetensors import safe_open
+def _merged_source(ckpt: Path, stored: dict, recipe: dict, config):
+    """The base model's tensors (from its init_from directory, by canntrain's names) with the adapters folded
+    in, a few at a time."""
+    from canntrain_core.models.hf import directory_tensors
 
-    from canntrain_core.models.hf import weight_files
-
-    base = Path(recipe["model"]["init_from"])
-    files = weight_files(base)
+    shapes, base = directory_tensors(config, recipe["model"]["init_from"])
     adapters = _load_from_checkpoint(ckpt, stored, _adapters(stored))  # small: rank x (in + out) per target
     scale = recipe["lora"]["alpha"] / recipe["lora"]["rank"]
 
     def load(names: list[str]) -> dict[str, torch.Tensor]:
-        part = {}
-        for n in names:
-            with safe_open(str(base / files[n]["file"]), framework="pt") as f:
-                w = f.get_tensor(n).float()
+        part = base(names)
+        for n, w in part.items():
             a = adapters.get(n.replace(".weight", ".lora_A.default.weight"))
             if a is not None:
                 b = adapters[n.replace(".weight", ".lora_B.default.weight")]
-                w = w + scale * (b.float() @ a.float())
-            part[n] = w
+                part[n] = w + scale * (b.float() @ a.float())
         return part
 
-    return {n: torch.Size(v["shape"]) for n, v in files.items()}, load
+    return shapes, load
 
 
 def _write_tokenizer(ckpt: Path, config, out: Path) -> None:
@@ -319,6 +316,14 @@ def _write_tokenizer(ckpt: Path, config, out: Path) -> None:
             tokenizer_object=tok, eos_token=eos, model_max_length=config.max_position_embeddings
         )
     fast.save_pretrained(out)
+    try:  # transformers may rebuild the tokenizer of the export's model type (Qwen2Tokenizer) otherwise
+        check_agrees_with_transformers(out, fast.backend_tokenizer)
+    except DataError as e:
+        raise CheckpointError(
+            f"{ckpt}: its tokenizer does not survive export as a {config.model_type} model: {e}. A tokenizer "
+            f"trained by canntrain prepare is model-agnostic; train a {config.model_type} model's tokenizer in "
+            "the run (data.tokenizer) or save the model's own with transformers"
+        ) from None
 
 
 def _write_generation_config(ckpt: Path, config, out: Path) -> None:

@@ -151,11 +151,13 @@ def build_data(
     dp_size: int = 1,
     tokenizer: TrainedTokenizer | None = None,
     vocab_size: int | None = None,
+    model_type: str | None = None,
 ) -> DataBundle:
     """Open (preparing raw sources on first use) the data of ``cfg``; see the module docstring.
 
     ``tokenizer``: one that came with a pretrained model (``model.init_from``); ``vocab_size``: the model's
-    embedding rows when they do not come from ``data.tokenizer`` (init_from)."""
+    embedding rows when they do not come from ``data.tokenizer`` (init_from); ``model_type``: the model's, whose
+    export a tokenizer trained here must suit (``data.tokenizer.transformers_pipeline``)."""
     start = time.perf_counter()
     try:
         mixture = cfg.mixture
@@ -171,7 +173,7 @@ def build_data(
         raise DataError(
             f"data.max_bytes / data.max_files cut a raw corpus; {mixture[k].path} is prepared and is used whole"
         )
-    tok, tokenizer_source = _choose_tokenizer(cfg, mixture, named, named_source, ready, cache_dir)
+    tok, tokenizer_source = _choose_tokenizer(cfg, mixture, named, named_source, ready, cache_dir, model_type)
     raw_stats = {}
     for k, s in enumerate(mixture):
         if k not in ready:
@@ -277,7 +279,9 @@ def _named_tokenizer(cfg: DataConfig, given: TrainedTokenizer | None) -> Trained
     return given or own
 
 
-def _choose_tokenizer(cfg, mixture, named, named_source, ready, cache_dir) -> tuple[TrainedTokenizer, str]:
+def _choose_tokenizer(
+    cfg, mixture, named, named_source, ready, cache_dir, model_type=None
+) -> tuple[TrainedTokenizer, str]:
     """(tokenizer, where it came from): see the module docstring."""
     prepared = {k: d for k, d in ready.items() if d.tokenizer_sha256 is not None}
     reference = named
@@ -296,7 +300,7 @@ def _choose_tokenizer(cfg, mixture, named, named_source, ready, cache_dir) -> tu
         )
     if reference is not None:
         return reference, named_source or "prepared"
-    return _trained_tokenizer(cfg, mixture, cache_dir), "trained"
+    return _trained_tokenizer(cfg, mixture, cache_dir, model_type), "trained"
 
 
 def _raw_inputs(path: str, cfg: DataConfig):
@@ -304,7 +308,7 @@ def _raw_inputs(path: str, cfg: DataConfig):
     return select(list_inputs(path, what), cfg.max_bytes, cfg.max_files)
 
 
-def _trained_tokenizer(cfg: DataConfig, mixture, cache_dir: Path) -> TrainedTokenizer:
+def _trained_tokenizer(cfg: DataConfig, mixture, cache_dir: Path, model_type: str | None) -> TrainedTokenizer:
     """A byte-level BPE trained on a sample of the raw sources, cached under their listing (not their text)."""
     listed = [(s.path, _raw_inputs(s.path, cfg)) for s in mixture]
     key = key_of(
@@ -329,7 +333,7 @@ def _trained_tokenizer(cfg: DataConfig, mixture, cache_dir: Path) -> TrainedToke
             raise DataError(f"data.source: no usable documents in {', '.join(p for p, _ in listed)}{skipped}")
         return out
 
-    return get_tokenizer(key, texts, cfg.tokenizer, cache_dir)
+    return get_tokenizer(key, texts, cfg.tokenizer, cache_dir, model_type)
 
 
 def _prepare_raw(path: str, cfg: DataConfig, tok: TrainedTokenizer, cache_dir: Path) -> tuple[PreparedData, dict]:

@@ -16,6 +16,7 @@ special tokens and chat template; :func:`tokenizer_files` is what a checkpoint c
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 import time
@@ -83,9 +84,41 @@ def new_byte_level_bpe() -> Tokenizer:
     return tok
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """Train a fresh byte-level BPE on ``texts`` (no cache). Deterministic for the same texts and size."""
+def transformers_pipeline(model_type: str | None) -> dict | None:
+    """The normalizer and pre-tokenizer (as tokenizers' JSON) that transformers' ``AutoTokenizer`` imposes on a
+    byte-level BPE exported with ``model_type`` (Qwen2Tokenizer rebuilds its own, whatever tokenizer.json
+    says), or None where it reads tokenizer.json as written. Found by asking AutoTokenizer, not from a list."""
+    if not model_type:
+        return None
+    return _imposed_pipeline(model_type)
+
+
+@functools.lru_cache(maxsize=None)
+def _imposed_pipeline(model_type: str) -> dict | None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = train_tokenizer(["a b"], 300)
+    with tempfile.TemporaryDirectory() as tmp:
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN).save_pretrained(tmp)
+        Path(tmp, "config.json").write_text(json.dumps({"model_type": model_type}))
+        try:
+            backend = AutoTokenizer.from_pretrained(tmp).backend_tokenizer
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None  # a model type transformers builds no tokenizer for: tokenizer.json is what it gets
+    if _pieces(backend, PROBE_TEXT) == _pieces(tok, PROBE_TEXT):
+        return None
+    as_json = json.loads(backend.to_str())
+    return {"normalizer": as_json.get("normalizer"), "pre_tokenizer": as_json.get("pre_tokenizer")}
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, pipeline: dict | None = None) -> Tokenizer:
+    """Train a fresh byte-level BPE on ``texts`` (no cache). Deterministic for the same texts and size.
+    ``pipeline``: the normalizer and pre-tokenizer to train it with (:func:`transformers_pipeline`)."""
     tok = new_byte_level_bpe()
+    if pipeline is not None:
+        shape = json.loads(tok.to_str())
+        shape.update(pipeline)
+        tok = Tokenizer.from_str(json.dumps(shape))
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=TOKENIZER_SETTINGS["min_frequency"],
@@ -98,11 +131,12 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def trained_tokenizer_path(sample_key: str, cfg: TokenizerConfig, cache_dir: Path) -> Path:
+def trained_tokenizer_path(sample_key: str, cfg: TokenizerConfig, cache_dir: Path, pipeline=None) -> Path:
     """Where the tokenizer trained on the sample named by ``sample_key`` with ``cfg`` is cached."""
     key = key_of(
         {
             "sample": sample_key,
+            **({"pipeline": pipeline} if pipeline is not None else {}),
             "vocab_size": cfg.vocab_size,
             "sample_bytes": cfg.sample_bytes,
             "type": cfg.type,
@@ -114,18 +148,25 @@ def trained_tokenizer_path(sample_key: str, cfg: TokenizerConfig, cache_dir: Pat
 
 
 def get_tokenizer(
-    sample_key: str, texts: Callable[[], list[str]], cfg: TokenizerConfig, cache_dir: Path
+    sample_key: str,
+    texts: Callable[[], list[str]],
+    cfg: TokenizerConfig,
+    cache_dir: Path,
+    model_type: str | None = None,
 ) -> TrainedTokenizer:
     """The tokenizer trained on ``texts()`` (called only on a cache miss) with ``cfg``, cached under
-    ``sample_key`` (what names the sample: its sources' listing, never their contents)."""
-    path = trained_tokenizer_path(sample_key, cfg, cache_dir)
+    ``sample_key`` (what names the sample: its sources' listing, never their contents). ``model_type``: the
+    model it is for, whose export transformers may read with its own pre-tokenizer (:func:`transformers_pipeline`):
+    then it is trained with that one, so that the export's ids are the ones trained on."""
+    pipeline = transformers_pipeline(model_type)
+    path = trained_tokenizer_path(sample_key, cfg, cache_dir, pipeline)
     start = time.perf_counter()
     with file_lock(path.with_suffix(".lock")):
         hit = path.is_file()
         if hit:
             text = path.read_text(encoding="utf-8")
         else:
-            text = train_tokenizer(texts(), cfg.vocab_size).to_str()
+            text = train_tokenizer(texts(), cfg.vocab_size, pipeline).to_str()
             atomic_write_text(path, text)
     tok = Tokenizer.from_str(text)
     eos_id = tok.token_to_id(EOS_TOKEN)
@@ -151,6 +192,7 @@ def load_tokenizer_dir(
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
             raise DataError(f"{path}: not a tokenizers tokenizer.json ({str(e)[:200]})") from None
         hf = _transformers_tokenizer(d)
+        check_agrees_with_transformers(d, tok)
     elif (d / "tokenizer.model").is_file():
         hf = _from_sentencepiece(d)
         tok, path = hf.backend_tokenizer, d / "tokenizer.model"
@@ -165,6 +207,54 @@ def load_tokenizer_dir(
             "one between them; add eos_token to tokenizer_config.json"
         )
     return TrainedTokenizer(tok, path, tokenizer_identity(tok), int(eos_id), True, time.perf_counter() - start, hf)
+
+
+# Code, prose, digit runs, odd whitespace, a decomposed accent and three scripts: where a normalizer or a
+# pre-tokenizer differs, some of these split differently.
+PROBE_TEXT = (
+    "def f(x_1, y=2.50):\n\treturn {'a': [x_1 ** 2]}  # it's   DONE\r\n\n"
+    "Ünïcödé cafe\u0301, naïve — 東京は晴れ。 Привет, мир! 12345678 +3.14e-10 \u00a0end  "
+)
+
+
+def _pieces(tok: Tokenizer, text: str) -> list[str]:
+    """``text`` as ``tok`` splits it before its model sees it (normalizer, then pre-tokenizer)."""
+    if tok.normalizer is not None:
+        text = tok.normalizer.normalize_str(text)
+    if tok.pre_tokenizer is None:
+        return [text]
+    return [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def check_agrees_with_transformers(d: Path, tok: Tokenizer) -> None:
+    """Refuse ``d`` when transformers' ``AutoTokenizer`` (the class of config.json's model_type or of
+    tokenizer_config.json's tokenizer_class, which may rebuild the normalizer and pre-tokenizer, as
+    Qwen2Tokenizer does) and ``tokenizer.json`` as written split or encode :data:`PROBE_TEXT` differently:
+    canntrain would train on ids that the export is never given by transformers."""
+    if not (d / "tokenizer_config.json").is_file() and not (d / "config.json").is_file():
+        return  # nothing tells transformers to build anything but tokenizer.json itself
+    from transformers import AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(str(d))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise DataError(f"{d}: transformers' AutoTokenizer cannot load this tokenizer ({str(e)[:200]})") from None
+    backend = getattr(theirs, "backend_tokenizer", None)
+    ours, got = tok.encode(PROBE_TEXT).ids, theirs(PROBE_TEXT)["input_ids"]
+    what = None
+    if ours != got:
+        at = next((i for i, (a, b) in enumerate(zip(ours, got)) if a != b), min(len(ours), len(got)))
+        what = f"token {at} is {got[at : at + 1]} there and {ours[at : at + 1]} here"
+    elif backend is not None and _pieces(backend, PROBE_TEXT) != _pieces(tok, PROBE_TEXT):
+        a, b = _pieces(backend, PROBE_TEXT), _pieces(tok, PROBE_TEXT)
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        what = f"it splits a probe text otherwise: {a[at : at + 2]} there, {b[at : at + 2]} here"
+    if what:
+        raise DataError(
+            f"{d}: transformers' AutoTokenizer ({type(theirs).__name__}) does not tokenize as tokenizer.json does "
+            f"({what}): the model would train on ids its export is never given. Save the tokenizer with that "
+            "class's save_pretrained so that tokenizer.json is what transformers builds"
+        )
 
 
 def _config_eos(d: Path, tok: Tokenizer) -> int | None:

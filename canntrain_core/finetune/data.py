@@ -156,19 +156,21 @@ def build_sft_data(
     tokenizer=None,
     vocab_size: int | None = None,
     chat_template=None,
+    model_type: str | None = None,
 ) -> SFTBundle:
     """Read ``cfg.source`` (JSONL), format, mask, truncate, split, pack; see the module docstring.
 
     ``tokenizer`` (a data.tokenizer.TrainedTokenizer) comes with the model (``model.init_from``); without
     one a byte-level BPE tokenizer is trained on the conversations. ``chat_template``: a transformers
     tokenizer whose chat template formats the text instead of ``cfg.template`` (both from
-    ``data.tokenizer.pretrained_tokenizer``, which ``data.chat_template`` steers).
+    ``data.tokenizer.pretrained_tokenizer``, which ``data.chat_template`` steers). ``model_type``: the model's,
+    whose export a tokenizer trained here must suit.
     """
     start = time.perf_counter()
     sources = read_sources(cfg, lambda path: read_conversations(path, cfg.format, cfg.on_bad_record))
     given = tokenizer is not None
     if tokenizer is None:
-        tokenizer = _train_tokenizer(sources, cfg)
+        tokenizer = _train_tokenizer(sources, cfg, model_type)
         vocab_size = cfg.tokenizer.vocab_size
     vocab_size = vocab_size or cfg.tokenizer.vocab_size
     if tokenizer.tokenizer.get_vocab_size() > vocab_size:
@@ -245,7 +247,7 @@ def build_sft_data(
     )
 
 
-def _train_tokenizer(sources: list[SourceRecords], cfg):
+def _train_tokenizer(sources: list[SourceRecords], cfg, model_type: str | None):
     """A byte-level BPE tokenizer trained on the conversations themselves (no model to bring one)."""
     inputs = [i for s in sources for i in list_inputs(s.path)]
     key = key_of({"records": listing_fingerprint(inputs), "format": cfg.format})
@@ -253,7 +255,7 @@ def _train_tokenizer(sources: list[SourceRecords], cfg):
     def texts() -> list[str]:
         return ["\n".join(t for _, t in c.turns) for s in sources for c in s.items]
 
-    return get_tokenizer(key, texts, cfg.tokenizer, resolve_cache_dir(cfg.cache_dir))
+    return get_tokenizer(key, texts, cfg.tokenizer, resolve_cache_dir(cfg.cache_dir), model_type)
 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> Path:

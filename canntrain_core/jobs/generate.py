@@ -138,15 +138,22 @@ def load_generator(source: str | Path, device: str | torch.device | None = None,
 
 
 def _from_hf(d: Path, device: torch.device, dtype: torch.dtype) -> Generator:
-    from safetensors.torch import load_file
+    """A Hugging Face directory (canntrain's export or transformers' save_pretrained) read as training reads
+    ``model.init_from``: the family's file names and layouts (GPT-2's fused c_attn, the experts' own tensors)
+    mapped onto canntrain's (``models.hf.load_weights``)."""
+    from safetensors import safe_open
 
     from canntrain_core.models.hf import read_config, weight_files
 
     config = read_config(d)
-    tensors = {}
-    for name in sorted({f["file"] for f in weight_files(d).values()}):  # a missing or damaged shard is named
-        tensors.update(load_file(str(d / name)))
-    return _finish(_build(config, tensors, device, dtype, d), config, d, None)
+    files = weight_files(d)  # a missing or damaged shard is named
+    head, embed = files.get("lm_head.weight"), files.get("model.embed_tokens.weight")
+    if config.tie_word_embeddings and head is not None and embed is not None:
+        with safe_open(str(d / head["file"]), "pt") as h, safe_open(str(d / embed["file"]), "pt") as e:
+            if not torch.equal(h.get_tensor("lm_head.weight"), e.get_tensor("model.embed_tokens.weight")):
+                config.tie_word_embeddings = False  # a head that differs from the embedding is what was trained
+    model = _build(config, None, device, dtype, d)
+    return _finish(model, config, d, None)
 
 
 def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Generator:
@@ -170,28 +177,36 @@ def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Ge
     return _finish(model, config, ckpt, fallback)
 
 
-def _build(config, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, where: Path):
-    """The CausalLM of ``config`` on ``device`` in ``dtype``, its parameters ``tensors`` (Hugging Face names;
-    a tied model may leave out lm_head.weight)."""
+def _build(config, tensors: dict[str, torch.Tensor] | None, device: torch.device, dtype: torch.dtype, where: Path):
+    """The CausalLM of ``config`` on ``device`` in ``dtype``, its parameters ``tensors`` (canntrain's names;
+    a tied model may leave out lm_head.weight), or with ``tensors`` None read from the Hugging Face directory
+    ``where``."""
     from canntrain_core.models.classes import training_class
+    from canntrain_core.models.hf import load_weights
     from canntrain_core.models.init import reset_buffers
     from canntrain_core.models.lifecycle import tie_head
     from canntrain_core.models.lm import CausalLM
 
-    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
-    if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
-        config.tie_word_embeddings = False  # a head that differs from the embedding is what was trained
+    if tensors is not None:
+        head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+        if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+            config.tie_word_embeddings = False  # a head that differs from the embedding is what was trained
     with torch.device("meta"):
-        hf_model = training_class(config)(config)
-    hf_model.to_empty(device=device)
-    missing, _ = hf_model.load_state_dict(tensors, strict=False)
-    model = CausalLM(hf_model)
+        model = CausalLM(training_class(config)(config))
+    model.to_empty(device=device)
     tie_head(model, config)  # as training ties it
-    missing = [n for n in missing if not (config.tie_word_embeddings and n == "lm_head.weight")]
-    if missing:
-        raise BadInput(
-            f"{where}: holds no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; cannot build its model"
-        )
+    if tensors is None:
+        load_weights(model, where)
+    else:
+        missing = [n for n, _ in model.named_parameters() if n not in tensors]
+        if missing:
+            raise BadInput(
+                f"{where}: holds no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; "
+                "cannot build its model"
+            )
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(tensors[n])
     model.to(dtype)
     reset_buffers(model, config, device)
     return model

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from canntrain_core.errors import RecipeError
+from canntrain_core.recipe import no_model_named
 from canntrain_core.sizing.shapes import ModelShape, shape_from_preset, shape_of
 
 
@@ -24,4 +26,11 @@ def shape_from_recipe(recipe: Any) -> ModelShape:
 
         return shape_of(model_config(m))
     vocab = None if "vocab_size" in m.overrides else recipe.data.tokenizer.vocab_size
+    if m.preset is None and m.init_from:
+        raise RecipeError(
+            f"model.init_from: {m.init_from} is not here; to size its model elsewhere, name its shape beside it "
+            "with model.preset (and model.overrides)"
+        )
+    if m.preset is None:
+        raise no_model_named()
     return shape_from_preset(m.preset, m.overrides, vocab)

@@ -241,6 +241,24 @@ def load_weights(model: torch.nn.Module, directory: str | Path, skip=lambda name
     ]
 
 
+def directory_tensors(config, directory: str | Path):
+    """DIR's model as canntrain's tensors: (canntrain's name -> shape, ``load(names)`` -> whole tensors), each
+    assembled from the files' tensors that hold it (GPT-2's fused c_attn, Mixtral's per-expert files)."""
+    d = Path(directory)
+    with torch.device("meta"):
+        shapes = {hf_name(n): p.shape for n, p in training_class(config)(config).named_parameters()}
+    available = _with_prefix(weight_files(d), config)
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for n in names:
+            out[n] = torch.empty(shapes[n], dtype=torch.float32)
+            _read_pieces(out[n], pieces(config, n, shapes[n]), d, available)
+        return out
+
+    return shapes, load
+
+
 def _with_prefix(available: dict[str, dict[str, Any]], config) -> dict[str, dict[str, Any]]:
     """The files' tensors by the names of transformers' ...ForCausalLM: a base model's files (GPT-2's on the hub:
     ``h.0.attn.c_attn.weight``) gain its ``base_model_prefix`` (``key``: the name in the file)."""

@@ -13,6 +13,7 @@ from canntrain_core.errors import BadInput
 from canntrain_core.families import family_of, family_of_preset
 from canntrain_core.models.classes import config_class, training_class
 from canntrain_core.models.init import init_weights
+from canntrain_core.recipe import no_model_named
 from canntrain_core.sizing.presets import PRESETS, preset_fields
 
 
@@ -46,11 +47,13 @@ def model_config(m, vocab_size: int | None = None):
         family = family_of(config).name
         if m.type is not None and m.type != family:
             raise BadInput(f"model.type={m.type}, but {Path(m.init_from) / 'config.json'} holds a {family} model")
-        preset = PRESETS[m.preset] if "preset" in m.model_fields_set else None
+        preset = PRESETS[m.preset] if m.preset else None
         check_against_recipe(config, preset, m.overrides, Path(m.init_from))
         _check_built(config, Path(m.init_from) / "config.json")
         check_weights(config, m.init_from)  # the safetensors are what config.json says
         return config
+    if m.preset is None:
+        raise no_model_named()
     config = build_config(m.preset, m.overrides, vocab_size)
     _check_built(config, "model.overrides")
     return config

@@ -19,5 +19,10 @@ class SFTTrainer(Trainer):
     def build_data(self, config):
         r = self.recipe
         return build_sft_data(
-            r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1], **self.tokenizer_args(config)
+            r.data,
+            seed=r.experiment.seed,
+            dp_rank=self.dp[0],
+            dp_size=self.dp[1],
+            model_type=config.model_type,
+            **self.tokenizer_args(config),
         )

@@ -303,7 +303,12 @@ class Trainer:
         """The data bundle of this stage: pretraining text here; the other stages override it."""
         r = self.recipe
         return build_data(
-            r.data, seed=r.experiment.seed, dp_rank=self.dp[0], dp_size=self.dp[1], **self.tokenizer_args(config)
+            r.data,
+            seed=r.experiment.seed,
+            dp_rank=self.dp[0],
+            dp_size=self.dp[1],
+            model_type=config.model_type,
+            **self.tokenizer_args(config),
         )
 
     def tokenizer_args(self, config) -> dict:

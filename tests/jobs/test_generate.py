@@ -35,7 +35,7 @@ from canntrain_core.finetune.records import read_conversations
 from canntrain_core.jobs.generate import load_generator
 from canntrain_core.recipe import load_recipe
 from canntrain_core.stages import make_trainer
-from conftest import BAD_INPUTS, SFT, task_data
+from conftest import BAD_INPUTS, SFT, task_data, write_hf_model
 
 TOKENIZER = BAD_INPUTS / "data" / "tiny_hf" / "tokenizer.json"  # 300 byte-level tokens
 EOS = "<|endoftext|>"
@@ -249,6 +249,23 @@ def test_generate_from_a_lora_run_folds_its_adapters_into_the_base(pretrained, t
     adapter = export_hf(tmp_path / "run", tmp_path / "adapter").out
     with pytest.raises(Exception, match="a peft adapter without its base"):
         load_generator(adapter, "cpu")
+
+
+def test_generate_from_a_moe_lora_run_and_its_merged_export_equals_transformers(tmp_path, data_cache):
+    """A MoE model's LoRA run: its base's experts are the files' own tensors (models/hf_names.py), read by
+    canntrain's names for the run and the merged export alike."""
+    base = tmp_path / "base"
+    write_hf_model(base, family="qwen3_moe")
+    _sft(tmp_path, base, data_cache, steps=2, **{"lora.enabled": True, "optim.lr": 3e-2})
+    merged = export_hf(tmp_path / "run", tmp_path / "merged", merge=True).out
+    prompts = ["Sort the digits: 3 1 2", "Uppercase: ab"]
+    a = load_generator(tmp_path / "run", "cpu").generate(prompts, chat=True, max_new_tokens=6)
+    b = load_generator(merged, "cpu").generate(prompts, chat=True, max_new_tokens=6)
+    assert [c.ids for c in a] == [c.ids for c in b]
+    hf = AutoModelForCausalLM.from_pretrained(merged)
+    for c in b:
+        theirs = hf.generate(torch.tensor([c.prompt_ids]), do_sample=False, max_new_tokens=6, pad_token_id=0)
+        assert theirs[0, len(c.prompt_ids) :][: len(c.ids)].tolist() == c.ids
 
 
 @pytest.mark.parametrize(

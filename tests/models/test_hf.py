@@ -21,7 +21,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from canntrain_core.cli import main
 from canntrain_core.data import build_data, pretrained_tokenizer
 from canntrain_core.errors import BadInput
+from canntrain_core.checkpoint.export import export_hf
 from canntrain_core.families import FAMILIES
+from canntrain_core.jobs.generate import load_generator
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.recipe import load_recipe
@@ -206,14 +208,28 @@ def test_sgd_under_fsdp2_tp2_equals_one_process(family, layout, family_dirs, fou
     assert worst <= 1e-5, worst
 
 
-def test_tokenizer_json_encodes_like_autotokenizer(hf_dir):
-    path, _ = hf_dir
+def test_tokenizer_json_encodes_like_autotokenizer(family_dir):
+    """Every family's tokenizer class (transformers 5 builds Qwen2Tokenizer for a qwen2 directory, which rebuilds
+    its own pre-tokenizer) encodes as canntrain does; a directory where they disagree is refused (bad input
+    prepare_tokenizer_disagrees_with_transformers)."""
+    path, _ = family_dir
     config = model_config(recipe_from(path).model)
     ours = pretrained_tokenizer(str(path), config)["tokenizer"]
     theirs = AutoTokenizer.from_pretrained(path)
-    text = "def main(argv):\n    return {'a': [1, 2.5]}  # ünïcode\n"
+    text = "def main(argv):\n    return {'a': [1, 2.5]}  # ünïcode 12345 東京\r\n"
     assert ours.tokenizer.encode(text, add_special_tokens=False).ids == theirs.encode(text, add_special_tokens=False)
     assert ours.eos_id == theirs.eos_token_id == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny"])
+def test_a_tokenizer_trained_here_survives_export_as_the_model_types_tokenizer(preset, tmp_path, fast_recipe):
+    """A fresh run's tokenizer is trained with the pre-tokenizer transformers imposes on its model type (Qwen2's
+    regex and NFC), so that AutoTokenizer on the export gives the ids it trained on."""
+    trainer = Trainer(fast_recipe(**{"model.preset": preset, "optim.max_steps": 1}), run_dir=tmp_path / "run")
+    trainer.fit()
+    out = export_hf(tmp_path / "run", tmp_path / "hf").out
+    text = "x = 12345  # cafe\u0301\r\n\tdone"
+    assert AutoTokenizer.from_pretrained(out).encode(text, add_special_tokens=False) == trainer.data.encode(text)
 
 
 def test_train_from_hf_then_export_loads_with_transformers(family_dir, tmp_path, data_cache, capsys):
@@ -233,6 +249,16 @@ def test_train_from_hf_then_export_loads_with_transformers(family_dir, tmp_path,
         assert (loaded(IDS).logits - trainer.model(IDS)).abs().max() <= LOGITS_TOL
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.encode("x = 1\n", add_special_tokens=False) == trainer.data.encode("x = 1\n")
+    # canntrain generate reads the export (the family's file names and layouts) and the run alike, and decodes
+    # what transformers' greedy generate does
+    prompts = ["def f(x):\n", "import os"]
+    from_export = load_generator(out, "cpu").generate(prompts, max_new_tokens=8)
+    from_run = load_generator(tmp_path / "run", "cpu").generate(prompts, max_new_tokens=8)
+    assert [c.ids for c in from_export] == [c.ids for c in from_run]
+    for c in from_export:
+        theirs = loaded.generate(torch.tensor([c.prompt_ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)
+        n = len(c.ids)  # ours stops after an end token
+        assert theirs[0, len(c.prompt_ids) :][:n].tolist() == c.ids, (family_dir, c.prompt)
     # never overwritten
     assert main(["export", str(tmp_path / "run"), "-o", str(out)]) == 2
     assert "already exists and is not empty" in capsys.readouterr().err

@@ -125,7 +125,7 @@ def test_duplicate_keys_are_all_reported_with_both_lines(tmp_path):
 def test_merge_keys_may_be_overridden(tmp_path):
     p = write(
         tmp_path,
-        "experiment:\n  name: base\ndata: &d\n  seq_length: 32\n  batch_size: 2\n"
+        "experiment:\n  name: base\nmodel:\n  preset: tiny\ndata: &d\n  seq_length: 32\n  batch_size: 2\n"
         "optim:\n  lr: 1.0e-3\nlogging:\n  log_interval: 5\n  <<: {eval_interval: 7, log_interval: 9}\n",
     )
     recipe = load_recipe(p)
