@@ -252,6 +252,44 @@ def set_aside(path: str | Path) -> Path:
     return target
 
 
+def _remove(path: Path) -> None:
+    """Delete a checkpoint so that a kill part-way leaves no step_N: renamed out of the listing first, as
+    .tmp-..., which the next start removes (:func:`clean_interrupted`)."""
+    gone = path.with_name(f".tmp-{path.name}-pruned")
+    os.rename(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def clean_interrupted(ckpt_root: str | Path, keep_last: int) -> list[str]:
+    """What interrupted saves and prunings left under ``ckpt_root``, cleaned before a run writes there (rank 0):
+    ``.tmp-*`` directories (a killed save's, or a pruned checkpoint's) removed; a ``step_N`` without its manifest
+    with ``keep_last`` complete checkpoints newer than it (a pruning killed inside its delete, as an older
+    canntrain deleted in place) removed, as pruning would have; one with fewer set aside (never deleted:
+    nothing here explains it). Returns one line per thing done."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    done = []
+    for p in sorted(root.glob(".tmp-step_*")):  # never a checkpoint, and it holds disk space
+        shutil.rmtree(p, ignore_errors=True)
+        done.append(f"removed {p.name} (a save or pruning that was interrupted)")
+    complete = [_step_of(p) for p in complete_checkpoints(root)]
+    for p in list_checkpoints(root):
+        newer = sum(1 for step in complete if step > _step_of(p))
+        if (p / MANIFEST).is_file() or newer == 0:
+            continue  # the newest incomplete ones are for resuming to find and set aside, naming why
+        if newer >= keep_last:
+            _remove(p)
+            done.append(f"removed {p.name} (no manifest: a pruning under logging.keep_last was interrupted)")
+        else:
+            done.append(f"set {p.name} aside as {set_aside(p).name} (no manifest, older than a complete checkpoint)")
+    return done
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
 def save_checkpoint(
     ckpt_root: str | Path,
     step: int,
@@ -300,7 +338,7 @@ def save_checkpoint(
         if keep_last:
             # Only complete checkpoints count; damaged ones were renamed aside and are never deleted.
             for old in complete_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
     _barrier()
     return final
 

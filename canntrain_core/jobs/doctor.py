@@ -31,7 +31,6 @@ import socket
 import time
 from collections import Counter, defaultdict
 from datetime import timedelta
-from pathlib import Path
 
 from canntrain_core.errors import BadInput, CanntrainError
 from canntrain_core.jobs.doctor_comm import (
@@ -49,6 +48,7 @@ from canntrain_core.jobs.doctor_comm import (
     timing_table,
 )
 from canntrain_core.recipe import load_recipe
+from canntrain_core.runtime.environment import cann_version, disagreement, rank_environment, torch_npu_version
 from canntrain_core.sizing.devices import bytes_text
 
 ENV_VARS = (  # what steers the launch, the rendezvous and HCCL / NCCL / gloo
@@ -57,7 +57,6 @@ ENV_VARS = (  # what steers the launch, the rendezvous and HCCL / NCCL / gloo
     "NCCL_SOCKET_IFNAME NCCL_IB_HCA NCCL_DEBUG GLOO_SOCKET_IFNAME TORCH_NCCL_ASYNC_ERROR_HANDLING "
     "ASCEND_RT_VISIBLE_DEVICES CUDA_VISIBLE_DEVICES"
 ).split()
-CANN_HOME = "/usr/local/Ascend/ascend-toolkit/latest"
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
 DEFAULT_TIMEOUT = 60
 LAUNCH = "torchrun --nproc_per_node K [--nnodes N ...] -m canntrain_core.cli doctor RECIPE"
@@ -68,31 +67,6 @@ class DoctorFoundProblems(CanntrainError):
 
 
 # --------------------------------------------------------------------------- environment
-
-
-def torch_npu_version() -> str:
-    try:
-        import torch_npu
-    except ImportError:
-        return "not importable"
-    except Exception as e:  # the CANN libraries missing at load time fail with OSError, RuntimeError, ...
-        return f"import failed: {type(e).__name__}: {e}"
-    return str(getattr(torch_npu, "__version__", "unknown"))
-
-
-def cann_version() -> str:
-    """The CANN toolkit's version from its ascend_toolkit_install.info ($ASCEND_TOOLKIT_HOME, then the default
-    install path), or 'not found'."""
-    for root in filter(None, (os.environ.get("ASCEND_TOOLKIT_HOME"), CANN_HOME)):
-        for info in [
-            Path(root) / "ascend_toolkit_install.info",
-            *sorted(Path(root).glob("*/ascend_toolkit_install.info")),
-        ]:
-            if info.is_file():
-                for line in info.read_text(errors="replace").splitlines():
-                    if line.startswith("version="):
-                        return f"{line.split('=', 1)[1].strip()} ({info})"
-    return "not found"
 
 
 def environment_rows(acc) -> list[list[str]]:
@@ -211,6 +185,8 @@ def rank_table_problems(path: str, world: int) -> list[str]:
 def rank_map_problems(rows: list[dict], recipe, source: str, extra: int = 0) -> list[str]:
     problems = [p for p in [world_problem(len(rows), recipe, source, extra)] if p]
     problems += local_rank_problems(rows) + loopback_problems(rows)
+    if all("environment" in r for r in rows):  # device type and versions, as the trainer checks at start
+        problems += [p for p in [disagreement([r["environment"] for r in rows])] if p]
     if os.environ.get("RANK_TABLE_FILE"):
         problems += rank_table_problems(os.environ["RANK_TABLE_FILE"], len(rows))
     return problems
@@ -225,6 +201,7 @@ def my_row(acc, rank: int, world: int) -> dict:
         "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
         "device": str(acc.device),
         "master_addr": os.environ.get("MASTER_ADDR", "unset"),
+        "environment": rank_environment(acc.type),
     }
 
 

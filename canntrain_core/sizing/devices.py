@@ -20,6 +20,7 @@ class DeviceSpec:
     intra_node_bw: float  # per device, within a node (HCCS / NVLink), one direction
     inter_node_bw: float  # per device, across nodes (RoCE / InfiniBand)
     match: str = ""  # how the runtime names it (torch.npu / torch.cuda get_device_name, lower case, no spaces)
+    runtime: str = "cuda"  # the device type torch computes on there (npu through torch_npu)
 
     def but(self, **changes: float) -> "DeviceSpec":
         return replace(self, **changes)
@@ -27,7 +28,7 @@ class DeviceSpec:
 
 DEVICES: dict[str, DeviceSpec] = {
     # 910B3, the common 910B SKU (910B1 is ~376 TFLOP/s)
-    "910b": DeviceSpec("Ascend 910B (64 GB)", 64 * GiB, 313e12, 196e9, 25e9, match="910b"),
+    "910b": DeviceSpec("Ascend 910B (64 GB)", 64 * GiB, 313e12, 196e9, 25e9, match="910b", runtime="npu"),
     "a100-80g": DeviceSpec("A100 80 GB", 80 * GiB, 312e12, 300e9, 25e9, match="a100"),
     "h100-80g": DeviceSpec("H100 80 GB", 80 * GiB, 989e12, 450e9, 50e9, match="h100"),
     "h200": DeviceSpec("H200 141 GB", 141e9, 989e12, 450e9, 50e9, match="h200"),

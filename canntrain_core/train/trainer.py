@@ -10,8 +10,8 @@ import contextlib
 import functools
 import json
 import math
+from datetime import timedelta
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,7 @@ from canntrain_core.runtime.distributed import (
     init_distributed,
     rank,
 )
+from canntrain_core.runtime.environment import check_ranks_agree, check_target_device
 from canntrain_core.runtime.watchdog import Whereabouts, describe_failure, is_collective_failure
 from canntrain_core.sizing.layout import Layout, check_layout
 from canntrain_core.sizing.oom import oom_hint
@@ -157,7 +158,9 @@ class Trainer:
         self.model_config = config = model_config(m, r.data.tokenizer.vocab_size)
         check_layout(r, config, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
         check_kernels_fit(config, m)
+        check_target_device(d.target_device, self.acc.type)
         init_distributed(self.acc, d, self.extra_ranks(r))
+        check_ranks_agree(self.acc.type, timedelta(seconds=d.timeout_seconds))
         self.rank = rank()
         self.where = Whereabouts()  # this rank's step and phase, for a collective that never finishes
         self.dims = ParallelDims.from_recipe(r)
@@ -775,12 +778,8 @@ class Trainer:
     def _inspect_run_dir(self, resume_from: str | Path | None) -> Path | None:
         """The checkpoint to resume from, once the run directory is known to be usable (``check_run_dir``)."""
         check_run_dir(self.run_dir)
-        orphans = sorted(self.ckpt_root.glob(".tmp-step_*")) if self.ckpt_root.is_dir() else []
-        for p in orphans:  # what a killed save left: never a checkpoint, and it holds disk space
-            shutil.rmtree(p, ignore_errors=True)
-        if orphans:
-            names = ", ".join(p.name for p in orphans)
-            print(f"removed {len(orphans)} half-written checkpoint(s) an interrupted save left: {names}")
+        for line in checkpoint.clean_interrupted(self.ckpt_root, self.recipe.logging.keep_last):
+            print(f"checkpoints: {line}")
         return self._resume_path(resume_from)
 
     def _resume_path(self, resume_from: str | Path | None) -> Path | None:

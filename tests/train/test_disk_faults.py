@@ -67,16 +67,33 @@ def test_a_read_only_run_directory_is_refused_before_any_work(mount, data_cache,
     )
 
 
-def test_a_half_written_checkpoint_left_by_a_kill_is_removed_at_the_next_start(fast_recipe, tmp_path, capsys):
+@pytest.mark.parametrize("keep_last", [2, 5])
+def test_what_killed_saves_and_prunings_left_is_cleaned_at_the_next_start(fast_recipe, tmp_path, capsys, keep_last):
+    """A save killed before its rename leaves .tmp-step_N-*; a pruning killed inside rmtree (before pruning renamed
+    first) left a step_N without its manifest, older than the newest checkpoint, that nothing saw again."""
     from canntrain_core.train.trainer import Trainer
 
-    recipe = fast_recipe(**{"optim.max_steps": 3, "logging.ckpt_interval": 3})
+    recipe = fast_recipe(**{"optim.max_steps": 3, "logging.ckpt_interval": 1, "logging.keep_last": keep_last})
     Trainer(recipe, run_dir=tmp_path, progress=False).fit()
-    orphan = tmp_path / "checkpoints" / ".tmp-step_6-k1ll3d"  # what a save killed before its rename leaves
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == (
+        ["step_2", "step_3"] if keep_last == 2 else ["step_1", "step_2", "step_3"]
+    )
+    orphan = root / ".tmp-step_6-k1ll3d"
     orphan.mkdir()
     (orphan / "__0_0.distcp").write_bytes(b"\0" * 4096)
+    half = root / "step_1"
+    half.mkdir(exist_ok=True)
+    (half / "manifest.json").unlink(missing_ok=True)
+    (half / "__1_0.distcp").write_bytes(b"\0" * 4096)
     capsys.readouterr()
     resumed = Trainer(recipe, run_dir=tmp_path, resume_from="auto", progress=False)
-    assert resumed.step == 3 and not orphan.exists()
     said = capsys.readouterr().out
-    assert "removed 1 half-written checkpoint(s) an interrupted save left: .tmp-step_6-k1ll3d" in said
+    assert resumed.step == 3 and not orphan.exists() and not half.exists()
+    assert "checkpoints: removed .tmp-step_6-k1ll3d (a save or pruning that was interrupted)" in said
+    if keep_last == 2:
+        assert "checkpoints: removed step_1 (no manifest: a pruning under logging.keep_last was interrupted)" in said
+        assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_3"]
+    else:  # keep_last would not have pruned it yet: never deleted, set aside
+        assert "checkpoints: set step_1 aside as step_1.damaged-" in said
+        assert [p.name for p in root.iterdir() if p.name.startswith("step_1.damaged-")]

@@ -159,26 +159,59 @@ def test_canntrain_plot_overlays_the_runs_curves(tmp_path):
     assert [len(ax.lines) for ax in fig.axes] == [2, 2]
 
 
-@pytest.mark.slow
-def test_a_hung_rank_is_named_with_the_collective_and_the_step(tmp_path, data_cache):
-    """Rank 1 waits 60 s for step 3's batch; rank 0's collective gives up after distributed.timeout_seconds=5 and
-    says which collective, over which group, where each rank was, and the checkpoint to resume from."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+def _fault(fault: str, tmp_path, data_cache, **env):
+    """tests/_fault_rank.py under torchrun on 2 gloo ranks, rank 1 meeting ``fault``; (result, seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1]), "FAULT": fault, **env}
     started = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        + [str(Path(__file__).parents[1] / "_hang_rank.py"), str(tmp_path / "run"), data_cache],
+        + [str(Path(__file__).parents[1] / "_fault_rank.py"), str(tmp_path / "run"), data_cache],
         capture_output=True,
         text=True,
         env=env,
         timeout=180,
     )
-    assert r.returncode != 0 and time.monotonic() - started < 55, r.stderr[-3000:]  # not the 60 s sleep
+    return r, time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_named_with_the_collective_and_the_step(tmp_path, data_cache):
+    """Rank 1 waits 60 s for step 3's batch; rank 0's collective gives up after distributed.timeout_seconds=5 and
+    says which collective, over which group, where each rank was, and the checkpoint to resume from."""
+    r, seconds = _fault("hang", tmp_path, data_cache)
+    assert r.returncode != 0 and seconds < 55, r.stderr[-3000:]  # not the 60 s sleep
     line = next(x for x in r.stderr.splitlines() if x.startswith("canntrain train: rank 0:"))
     assert "did not finish within distributed.timeout_seconds=5 in step 3 (compute), after step 2 completed" in line
     assert "gloo:" in line and "ranks [0, 1]" in line  # the collective and its group, from the flight recorder
     assert "Not there yet: rank 1 at step 3 (data)" in line
     assert line.endswith(f"The last complete checkpoint is {tmp_path / 'run' / 'checkpoints' / 'step_2'}.")
+
+
+@pytest.mark.slow
+def test_a_killed_peer_is_one_line_on_the_survivor_naming_it(tmp_path, data_cache):
+    """Rank 1 is SIGKILLed waiting for step 3's batch: the survivor's collective fails (gloo: the connection was
+    closed or reset) and it says so in one line, naming the rank that never got there; no traceback."""
+    r, _ = _fault("kill", tmp_path, data_cache)
+    assert r.returncode != 0
+    line = next(x for x in r.stderr.splitlines() if x.startswith("canntrain train: rank 0:"))
+    assert "failed in step 3 (compute), after step 2 completed. Not there yet: rank 1 at step 3 (data)" in line
+    assert line.endswith(f"The last complete checkpoint is {tmp_path / 'run' / 'checkpoints' / 'step_2'}.")
+    assert "Traceback" not in r.stderr.split("canntrain train: rank 0:")[0][-2000:]  # rank 0 printed none
+
+
+@pytest.mark.slow
+def test_ranks_that_see_another_cann_stop_at_start_in_one_line(tmp_path, data_cache):
+    """Rank 1 sees another CANN toolkit than rank 0: every rank stops before any work, naming the ranks."""
+    other = tmp_path / "Ascend" / "ascend-toolkit" / "latest"
+    other.mkdir(parents=True)
+    (other / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.0.RC1\n")
+    r, _ = _fault("cann", tmp_path, data_cache, OTHER_CANN=str(other))
+    assert r.returncode != 0
+    said = "canntrain train: the ranks of this job disagree on CANN: rank 0 ("
+    assert said in r.stderr, r.stderr[-3000:]  # every rank says it; torchrun may stop one before it prints
+    line = said + r.stderr.split(said)[1]
+    assert "): CANN not found; rank 1 (" in line and "): CANN 8.0.RC1. Every rank must see the same device" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_dead_peer_under_a_checkpoint_is_a_collective_failure():

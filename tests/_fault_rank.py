@@ -1,11 +1,18 @@
-"""Torchrun target for tests/train/test_observability.py: the tiny recipe under FSDP2 on 2 gloo ranks, with rank 1
-stuck for 60 s waiting for step 3's batch (a hung data loader, a slow file system) and a 5 s collective timeout.
+"""Torchrun target for the fault tests (tests/train/test_observability.py): the tiny recipe under FSDP2 on 2 gloo
+ranks with a 5 s collective timeout, rank 1 meeting a real fault ($FAULT):
 
-    torchrun --nproc_per_node 2 tests/_hang_rank.py RUN_DIR DATA_CACHE
+- ``hang``: stuck for 60 s waiting for step 3's batch (a hung data loader, a slow file system);
+- ``kill``: SIGKILLed while waiting for step 3's batch (a node lost, the OOM killer);
+- ``cann``: it sees another CANN toolkit than rank 0 (``ASCEND_TOOLKIT_HOME`` = $OTHER_CANN, as a node
+  with another install would).
+
+    FAULT=hang torchrun --nproc_per_node 2 tests/_fault_rank.py RUN_DIR DATA_CACHE
 
 Ends as ``canntrain train`` does: an expected failure is one line on stderr and its exit code.
 """
 
+import os
+import signal
 import sys
 import time
 
@@ -15,16 +22,22 @@ from canntrain_core.recipe import load_recipe
 from canntrain_core.train.trainer import Trainer
 from conftest import FAST, TINY
 
+FAULT = os.environ.get("FAULT", "hang")
 
-class StuckAtStep3(Trainer):
+
+class FaultAtStep3(Trainer):
     def batches(self):
         for step, batch in enumerate(super().batches(), start=1):
             if step == 3 and self.rank == 1:
+                if FAULT == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(60)
             yield batch
 
 
 def main(run_dir: str, data_cache: str) -> int:
+    if FAULT == "cann" and os.environ["RANK"] == "1":
+        os.environ["ASCEND_TOOLKIT_HOME"] = os.environ["OTHER_CANN"]
     recipe = load_recipe(
         TINY,
         {
@@ -40,7 +53,7 @@ def main(run_dir: str, data_cache: str) -> int:
         },
     )
     try:
-        StuckAtStep3(recipe, run_dir=run_dir, progress=False).fit()
+        FaultAtStep3(recipe, run_dir=run_dir, progress=False).fit()
     except CanntrainError as e:
         return report_failure("train", e)
     return 0
