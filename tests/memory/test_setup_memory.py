@@ -25,7 +25,12 @@ SHAPE = {
 def _peaks(tmp_path, nproc, layout):
     out = tmp_path / str(nproc)
     out.mkdir()
-    module = ["-m", "canntrain_core.memory.setup_rss", str(out), json.dumps({"model.overrides": SHAPE, **layout})]
+    module = [
+        "-m",
+        "canntrain_core.memory.setup_rss",
+        str(out),
+        json.dumps({"model.preset": "tiny", "model.overrides": SHAPE, **layout}),
+    ]
     cmd = (
         [sys.executable, *module]
         if nproc == 1
