@@ -14,7 +14,7 @@ from typing import Sequence
 
 from canntrain_kernels import registry
 from canntrain_kernels.cases import make_case, parse_dtype, parse_shape
-from canntrain_kernels.check import time_ms
+from canntrain_kernels.numerics import time_ms
 from canntrain_kernels.memory import peak_bytes
 
 

@@ -126,9 +126,10 @@ def attention_block(
     scale: float | None = None,
     tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of a ring attention (``kernels.block_attention``): softmax(q k^T * scale) v over the keys each
-    query sees (j <= i when ``causal``; the same segment id when given), and the log-sum-exp of each row's scores
-    (no gradient; -inf where a row sees no key, whose output is 0). ``tile`` is a memory bound, not a meaning."""
+    """One block of a ring attention (``canntrain_kernels.block_attention``): softmax(q k^T * scale) v over the
+    keys each query sees (j <= i when ``causal``; the same segment id when given), and the log-sum-exp of each
+    row's scores (no gradient; -inf where a row sees no key, whose output is 0). ``tile`` is a memory bound, not a
+    meaning."""
     hq, hkv = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

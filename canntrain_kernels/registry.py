@@ -1,10 +1,10 @@
 """The kernel registry: which implementation of each op runs, and why.
 
-Every (op, backend) pair is a :class:`Kernel` registered by a module in ``kernels.backends``.
+Every (op, backend) pair is a :class:`Kernel` registered by a module in ``canntrain_kernels.backends``.
 ``get(op, backend)`` returns its function; ``backend="auto"`` walks the device's preference
 order (fastest first, as measured by ``benchmarks/kernel_speed.py``) and returns the first backend
 that is available here *and* passes its numerics check (forward and backward against an fp64
-reference, :func:`kernels.check.verify`). A backend whose device or library is missing is never
+reference, :func:`canntrain_kernels.numerics.verify`). A backend whose device or library is missing is never
 selected; asking for it by name raises :class:`KernelUnavailable` with the reason.
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from canntrain_kernels.device import device_type
+from canntrain_kernels.numerics import verify
 
 OPS = ("rms_norm", "apply_rotary", "swiglu", "attention", "cross_entropy", "expert_mlp", "attention_block")
 BACKENDS = ("npu", "cuda", "cpu", "compile", "eager")
@@ -123,9 +124,7 @@ def verified(op: str, backend: str, device: str, dtypes: tuple[str, ...] = ("fp3
     """Run (once per process) the quick numerics check of a backend; None if it passed, else why not."""
     key = (op, backend, device, tuple(dtypes))
     if key not in _VERIFIED:
-        from canntrain_kernels.check import verify
-
-        _VERIFIED[key] = verify(op, backend, device, dtypes)
+        _VERIFIED[key] = verify(op, backend, kernel(op, backend).fn, device, dtypes)
     return _VERIFIED[key]
 
 

@@ -1,7 +1,7 @@
 """Raw text sources, read as a stream of documents: what ``canntrain prepare`` and the in-process preparation
 of a tiny recipe's corpus read. Nothing here holds a corpus in memory.
 
-A source is ``stdlib`` (the interpreter's own standard library: ships everywhere, DESIGN's no-download rule),
+A source is ``stdlib`` (the interpreter's own standard library: ships everywhere, nothing is downloaded at run time),
 a directory, a file or a glob of them. Inside, by file name:
 
 ==========================================  =====================================================

@@ -1,5 +1,5 @@
 """Tokenizers: a pretrained one on disk, or a byte-level BPE trained locally on a sample of the corpus
-(DESIGN: no downloads), cached as JSON.
+(nothing is downloaded at run time), cached as JSON.
 
 A pretrained tokenizer is a directory with ``tokenizer.json`` (read by ``tokenizers``) or only a SentencePiece
 ``tokenizer.model`` (converted by transformers, which needs ``sentencepiece``): :func:`load_tokenizer_dir`.

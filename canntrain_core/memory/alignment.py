@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from canntrain_core.memory.measure import local_bytes
 from canntrain_core.memory.recipe_shape import shape_from_recipe
 from canntrain_core.sizing.estimator import GiB, estimate
 from canntrain_core.sizing.setup import setup_from_recipe
@@ -128,19 +129,18 @@ def measure_resident(trainer) -> dict[str, int]:
     """What each model of a running alignment trainer holds on this rank, read off its tensors: parameters,
     and for a model that trains its gradients (as large as its trainable parameters, in fp32) and AdamW
     states. The measured side of :attr:`Role.states` (call it after at least one optimizer step)."""
-    from canntrain_core.memory.measure import _local_bytes
 
     state = trainer.optimizer.state
     out = {}
     for name, model in trainer.models().items():
         params = list(model.parameters())
         trained = [p for p in params if p.requires_grad]
-        grads = sum(4 * _local_bytes(p) // p.element_size() for p in trained)  # (fp32 gradients)
+        grads = sum(4 * local_bytes(p) // p.element_size() for p in trained)  # (fp32 gradients)
         opt = sum(
-            _local_bytes(v)
+            local_bytes(v)
             for p in trained
             for v in state.get(p, {}).values()
             if isinstance(v, torch.Tensor) and v.dim() > 0
         )
-        out[name] = sum(_local_bytes(p) for p in params) + grads + opt
+        out[name] = sum(local_bytes(p) for p in params) + grads + opt
     return out

@@ -48,36 +48,36 @@ def stacked_bars(
 def controls(shape: ModelShape, base: TrainSetup, capacity: float | None = None) -> None:
     """Sliders for micro-batch, seq_length, TP, PP and recompute that redraw the chart.
 
-    Draws the default chart straight away (that is what a headless run keeps), then shows the
-    sliders when ipywidgets is installed; moving them redraws inside the widget's own output area.
+    Draws the default chart straight away (that is what a headless run keeps), then shows the sliders when
+    ipywidgets is installed; moving them redraws that same chart in place (one chart, never a second copy).
     """
     import matplotlib.pyplot as plt
+    from IPython.display import display
 
-    def draw(micro_batch: int, seq_length: int, tp: int, pp: int, recompute: str) -> None:
+    def figure(micro_batch: int, seq_length: int, tp: int, pp: int, recompute: str):
         try:
             s = base.but(micro_batch=micro_batch, seq_length=seq_length, tp=tp, pp=pp, recompute=recompute)
             est = estimate(shape, s)
         except ValueError as e:
-            print(f"not a valid layout: {e}")
-            return
-        stacked_bars(
+            return f"not a valid layout: {e}"
+        ax = stacked_bars(
             [(f"tp{tp} pp{pp}\nmb{micro_batch} s{seq_length}\n{recompute}", est)],
             capacity,
             title=f"{est.total / GiB:.1f} GiB at the peak ({est.phase}, {est.stage} stage)",
         )
-        plt.show()
+        plt.close(ax.figure)  # shown through the display below, not again by the inline backend
+        return ax.figure
 
     defaults = dict(
         micro_batch=base.micro_batch, seq_length=base.seq_length, tp=base.tp, pp=base.pp, recompute=base.recompute
     )
-    draw(**defaults)
+    chart = display(figure(**defaults), display_id=True)
     try:
         import ipywidgets as w
-        from IPython.display import display
     except ImportError:
         return
     ui = w.interactive(
-        draw,
+        lambda **values: chart.update(figure(**values)),
         micro_batch=w.IntSlider(value=base.micro_batch, min=1, max=16),
         seq_length=w.SelectionSlider(options=[512, 1024, 2048, 4096, 8192, 16384], value=base.seq_length),
         tp=w.SelectionSlider(options=[1, 2, 4, 8], value=base.tp),

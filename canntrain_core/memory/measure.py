@@ -51,7 +51,7 @@ class Measurement:
         return sum(self.states.values())
 
 
-def _local_bytes(t: torch.Tensor) -> int:
+def local_bytes(t: torch.Tensor) -> int:
     if hasattr(t, "to_local"):
         t = t.to_local()
     return t.numel() * t.element_size()
@@ -170,7 +170,7 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
                     loss.backward()
                     if tracker:
                         tracker.reset_mod_stats()  # the tracker's module stats cover one pass
-                grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+                grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
                 opt.step()
                 opt.zero_grad()
                 return grads
@@ -193,7 +193,7 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
                     tracker.reset_mod_stats()
             peak = tracker.get_tracker_snapshot("peak")
             raw = {(k.value if hasattr(k, "value") else str(k)): v for k, v in next(iter(peak.values())).items()}
-            params = sum(_local_bytes(p) for p in model.parameters())  # buffers (rope inv_freq) are tiny
+            params = sum(local_bytes(p) for p in model.parameters())  # buffers (rope inv_freq) are tiny
             states = _opt_bytes(opt)
     seconds = time.perf_counter() - t0
     model_states = {"parameters": params, "gradients": grads, "optimizer_states": states}
@@ -202,7 +202,7 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
 
 def _opt_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(
-        _local_bytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+        local_bytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0
     )
 
 
@@ -255,12 +255,12 @@ def measure_trainer_step(trainer) -> Measurement:
         warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
         warnings.filterwarnings("ignore", message="The module hierarchy tracking", category=UserWarning)
         trainer.train_step(batches)
-        grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
         opt.step()
         opt.zero_grad(set_to_none=True)
     peak = tracker.get_tracker_snapshot("peak")
     raw = {(k.value if hasattr(k, "value") else str(k)): v for k, v in next(iter(peak.values())).items()}
-    params = sum(_local_bytes(p) for p in model.parameters())
+    params = sum(local_bytes(p) for p in model.parameters())
     states = _opt_bytes(opt)
     model_states = {"parameters": params, "gradients": grads, "optimizer_states": states}
     return Measurement(

@@ -28,7 +28,7 @@ from canntrain_core.families import family_of
 from canntrain_core.models.classes import causal_lm_class, config_from_dict, training_class
 from canntrain_core.models.hf_names import Piece, pieces, their_shapes
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # canntrain never downloads (DESIGN: no downloads at run time)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # canntrain never downloads at run time
 
 # Module names a wrapper inserts into parameter names; Hugging Face names are the names without them
 # (activation checkpointing, torch.compile, FSDP1, and peft's LoRA layer around a base projection).

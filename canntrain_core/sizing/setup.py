@@ -1,9 +1,9 @@
 """How a model is trained, as far as memory is concerned: precision, batch, parallel layout.
 
 :class:`TrainSetup` is built from a recipe (:func:`setup_from_recipe`) or by hand (the model's shape, the other
-half of an estimate, comes from ``memory.recipe_shape.shape_from_recipe`` or ``sizing.shapes``). It holds the few
-knobs the recipe schema does not have yet (sequence parallel, flash attention, LoRA, the optimizer's
-foreach mode), with defaults that match what canntrain's trainer does.
+half of an estimate, comes from ``memory.recipe_shape.shape_from_recipe`` or ``sizing.shapes``). Built from a
+recipe, it carries the recipe's sequence parallel, LoRA and offload settings; built by hand, its defaults are what
+canntrain's trainer does (flash attention, the optimizer's foreach mode), and the planner varies the rest.
 """
 
 from __future__ import annotations

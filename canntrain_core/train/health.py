@@ -29,6 +29,7 @@ class Health:
         self.skipped_steps = 0  # updates skipped for a NaN or inf gradient norm (kept in checkpoints)
         self.grad_norms: deque[float] = deque(maxlen=20)  # the last steps' gradient norms: a spike's yardstick
         self.spikes = 0  # gradient norm spikes since the last log
+        self.last_spike: tuple[int, float] = (0, 0.0)  # (step, gradient norm) of the latest
         self.advised: set[str] = set()  # what the breakdown's advice has said already
         self.checkpoint_seconds: float | None = None  # the last save's, logged with the next row
 
@@ -54,6 +55,7 @@ class Health:
         median = statistics.median(self.grad_norms) if len(self.grad_norms) >= 5 else None
         if self.spike_factor and median and norm > self.spike_factor * median:
             self.spikes += 1
+            self.last_spike = (step, norm)
             self._say(
                 f"step {step}: gradient norm {norm:.3g} is {norm / median:.0f}x the median of the last "
                 f"{len(self.grad_norms)} steps (logging.grad_spike_factor {self.spike_factor:g})"
@@ -71,8 +73,9 @@ class Health:
         out: dict[str, Any] = self.timer.take(steps)
         if self.skipped_steps:
             out["skipped_steps"] = self.skipped_steps
-        if self.spikes:
+        if self.spikes:  # how many since the last row, and the last one's step and norm (a plot can mark it)
             out["grad_norm_spikes"], self.spikes = self.spikes, 0
+            out["grad_norm_spike_step"], out["grad_norm_spike"] = self.last_spike
         if self.checkpoint_seconds is not None:
             out["checkpoint_seconds"], self.checkpoint_seconds = self.checkpoint_seconds, None
         for line in advice({"step_time": step_time, **out}):

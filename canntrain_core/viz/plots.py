@@ -68,7 +68,7 @@ def curves_figure(run_dirs: list[str | Path], keys: list, labels: list[str] | No
                     label=labels[i] if labels else Path(run_dir).name,
                 )
         ax.set_title((titles or {}).get(key, " or ".join(key) if isinstance(key, tuple) else key))
-        ax.set_xlabel("iteration")
+        ax.set_xlabel("step")  # an alignment run's iteration is its step
         ax.grid(alpha=0.3)
     axes[0][0].legend()
     fig.tight_layout()
@@ -106,6 +106,8 @@ def expert_balance_figure(run_dir: str | Path):
     last = rows[-1]["expert_tokens"]
     share = [[n / max(sum(layer), 1) for n in layer] for layer in last]
     im = heat.imshow(share, aspect="auto", cmap="viridis")
+    heat.set_xticks(range(len(share[0])))  # whole experts and layers, never 0.5 of one
+    heat.set_yticks(range(len(share)))
     heat.set_xlabel("expert")
     heat.set_ylabel("layer")
     heat.set_title(f"share of a layer's tokens, step {rows[-1]['step']}")

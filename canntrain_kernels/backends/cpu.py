@@ -1,7 +1,7 @@
 """The cpu backend: torch's fused CPU kernels where the reference would materialise what they do not.
 
 Only a ring attention's block (``attention_block``): the flash attention for CPU that SDPA dispatches to, which
-returns the log-sum-exp and has a backward taking it (``kernels.block_attention.cpu_block_attention``).
+returns the log-sum-exp and has a backward taking it (``canntrain_kernels.block_attention.cpu_block_attention``).
 """
 
 from __future__ import annotations

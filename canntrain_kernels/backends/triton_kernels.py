@@ -1,6 +1,6 @@
 """Triton kernels for the cuda backend: RMSNorm, RoPE and SwiGLU, forward and backward.
 
-Imported only when triton is installed (kernels.backends.cuda checks first). All arithmetic is
+Imported only when triton is installed (canntrain_kernels.backends.cuda checks first). All arithmetic is
 in fp32; results are stored in the output's dtype. Each op is a torch.autograd.Function so the
 model's backward runs the Triton backward kernels.
 """

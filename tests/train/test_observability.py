@@ -120,7 +120,9 @@ def test_a_gradient_norm_spike_is_reported(tmp_path, fast_recipe, capsys):
 
     recipe = fast_recipe(**{"optim.max_steps": 8, "logging.log_interval": 4, "optim.grad_clip": None})
     Spike(recipe, run_dir=tmp_path, progress=False).fit()
-    assert [r.get("grad_norm_spikes", 0) for r in rows(tmp_path)] == [0, 1]
+    logged = rows(tmp_path)
+    assert [r.get("grad_norm_spikes", 0) for r in logged] == [0, 1]
+    assert logged[1]["grad_norm_spike_step"] == 8 and logged[1]["grad_norm_spike"] > 100 * logged[0]["grad_norm"]
     assert "step 8: gradient norm" in capsys.readouterr().err
 
 
