@@ -18,6 +18,7 @@ from canntrain_core.stages.dpo import DPOTrainer
 from canntrain_core.stages.reward import RewardTrainer
 from canntrain_core.stages.ppo import PPOTrainer, ScorerService
 from canntrain_core.stages.sft import SFTTrainer
+from canntrain_core.train.stage import check_stage
 from canntrain_core.train.trainer import Trainer
 
 STAGES: dict[str, type[Trainer]] = {
@@ -28,6 +29,10 @@ STAGES: dict[str, type[Trainer]] = {
     "grpo": GRPOTrainer,
     "ppo": PPOTrainer,
 }
+for _mode, _stage in STAGES.items():  # the contract (train/stage.py), held at import rather than at step 1
+    check_stage(_stage, Trainer)
+    if _mode not in _stage.train_modes:
+        raise TypeError(f"STAGES[{_mode!r}] is {_stage.__name__}, whose train_modes are {_stage.train_modes}")
 
 
 def stage_of(recipe: Recipe) -> type[Trainer]:

@@ -9,6 +9,7 @@ One tiny model (2 layers, hidden 64) and 4 steps per stage: the point is the con
 from __future__ import annotations
 
 import math
+import textwrap
 import typing
 
 import pytest
@@ -165,3 +166,56 @@ def test_a_stage_exports_its_language_model_or_says_why_not(mode, inputs, data_c
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(ids).logits - lm(ids)).abs().max() < 1e-5
+
+
+def test_the_stage_contract_is_held_at_import():
+    """Every stage overrides only Stage's hooks, with its parameters; the Trainer (pretraining) defines every hook.
+    A stage that overrides the loop, or a hook with other parameters, is refused when its class is checked."""
+    from canntrain_core.stages import STAGES
+    from canntrain_core.train.stage import HOOKS, Stage, parameters_of, check_stage
+    from canntrain_core.train.trainer import Trainer
+
+    assert {"build_data", "build_model", "train_iteration", "log_record", "evaluate", "extra_state"} <= HOOKS
+    for name in HOOKS:
+        assert parameters_of(vars(Trainer)[name]) == parameters_of(vars(Stage)[name]), name
+    for stage in STAGES.values():
+        check_stage(stage, Trainer)
+
+    class OwnLoop(Trainer):
+        def fit(self, stop_after=None):
+            pass
+
+    with pytest.raises(TypeError, match=r"OwnLoop.fit overrides the loop's Trainer.fit; a stage overrides only"):
+        check_stage(OwnLoop, Trainer)
+
+    class NoFill(Trainer):
+        def build_model(self, config):
+            pass
+
+    with pytest.raises(TypeError, match=r"NoFill.build_model\(config\): the Stage hook is build_model\(config, fill\)"):
+        check_stage(NoFill, Trainer)
+
+
+def test_the_architecture_example_stage_holds_the_contract_and_resumes(fast_recipe, tmp_path):
+    """ARCHITECTURE.md's example stage, run as written: its hooks log perplexity, and its state survives a resume."""
+    import re
+
+    from canntrain_core.train.stage import check_stage
+    from canntrain_core.train.trainer import Trainer
+    from conftest import ROOT
+
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("class PerplexityTrainer") - 200 :], re.S).group(1)
+    space: dict = {}
+    exec(textwrap.dedent(code), space)
+    stage = space["PerplexityTrainer"]
+    check_stage(stage, Trainer)
+    recipe = fast_recipe(**{"optim.max_steps": 4, "logging.eval_interval": 2, "logging.ckpt_interval": 2})
+    stage(recipe, run_dir=tmp_path / "full", progress=False).fit()
+    stage(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=2)
+    resumed = stage(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False)
+    assert resumed.improved >= 1 and resumed.best < math.inf  # restored from the checkpoint
+    resumed.fit()
+    full, cut = ([r for r in read_metrics(tmp_path / d) if "val_perplexity" in r] for d in ("full", "cut"))
+    assert [r["val_perplexity"] for r in full] == [math.exp(r["val_loss"]) for r in full]
+    assert [r["val_improvements"] for r in full] == [r["val_improvements"] for r in cut]
