@@ -10,7 +10,7 @@ The corpus is generated JSONL (Zipf-distributed words, punctuation and line brea
 8 KB), the tokenizer a 32,000-token byte-level BPE trained once on 16 MB of it. ``startup`` writes random token
 ids as Megatron shards of the given size (what a prepared corpus is to the trainer) and times two starts of
 ``canntrain train`` on it: the first builds the train/val split index once, the second only maps files. Figures
-vary with the CPU and the disk; the README's table says which machine gave them.
+vary with the CPU and the disk; benchmarks/README.md's table says which machine gave them.
 """
 
 from __future__ import annotations

@@ -27,14 +27,22 @@ class _Section(BaseModel):
 
 
 class ExperimentConfig(_Section):
+    """The run's name, where it goes and its seed."""
+
+    # The run's name: its directory under output_dir is <name>-<timestamp> when --run-dir is not given.
     name: str = "run"
+    # Where runs without --run-dir go ($CANNTRAIN_RUNS wins when set).
     output_dir: str = "runs"
+    # Seeds the model's initialisation, the data order and sampling; the same seed, layout and machine repeat a run
+    # exactly.
     seed: int = Field(1234, ge=0)
 
 
 class ModelConfig(_Section):
-    # The model family (canntrain_core/families/: llama, qwen2, qwen3, mistral). Unset: the preset's, or
-    # init_from's config.json model_type; set, it must agree with them.
+    """The model: a preset shape or a Hugging Face directory, its precision, kernels and recompute."""
+
+    # The model family (canntrain_core/families/: llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe, qwen3_moe).
+    # Unset: the preset's, or init_from's config.json model_type; set, it must agree with them.
     type: str | None = None
     # A shape by name (canntrain_core/sizing/presets.py: tiny, llama2-7b, qwen2.5-72b, ...). A recipe names
     # this or init_from: there is no default model (one would train a shape nobody asked for without a word).
@@ -94,10 +102,13 @@ class ModelConfig(_Section):
 
 
 class TokenizerConfig(_Section):
+    """data.tokenizer: a pretrained tokenizer to use, or the settings of one trained here."""
+
     # A pretrained tokenizer directory (tokenizer.json, or a SentencePiece tokenizer.model): pretraining from
     # scratch with Llama's, Qwen's or Mistral's own vocabulary. Unset: a prepared dataset's tokenizer, else
     # model.init_from's, else a byte-level BPE (`type`) trained here on `sample_bytes` of the corpus.
     path: str | None = None
+    # The kind of tokenizer trained here when none is given: a byte-level BPE.
     type: Literal["bpe"] = "bpe"
     # The model's embedding rows. Unset: the pretrained or prepared tokenizer's own size (4096 for one trained
     # here); set: at least the tokenizer's size (extra rows pad, as Megatron's make-vocab-size-divisible-by).
@@ -122,8 +133,11 @@ class TemplateConfig(_Section):
     string the tokenizer's end-of-text token (it ends an answer, so generation stops there). A checkpoint
     and its export carry it as an equivalent Jinja chat template (``chat_template.jinja``)."""
 
+    # A system turn's text ({content}: the turn).
     system: str = "{content}\n\n"
+    # A user turn's text ({content}: the turn): the prompt the model answers.
     user: str = "### Instruction:\n{content}\n\n### Response:\n"
+    # An assistant turn's text; {eos} ends the answer, so generation stops there.
     assistant: str = "{content}{eos}"
 
     @model_validator(mode="after")
@@ -139,6 +153,8 @@ SFT_DATA_KEYS = ("format", "train_on", "truncation", "packing", "template", "cha
 
 
 class DataConfig(_Section):
+    """What to train on, how it is tokenized, split, batched and (for instruction data) formatted."""
+
     # What to train on (one of source / sources). Pretraining: a prepared dataset (`canntrain prepare`), a
     # Megatron .bin/.idx prefix, or raw text prepared in process on first use: "stdlib" (this interpreter's
     # standard-library .py files), a directory, .jsonl / .jsonl.gz / .jsonl.zst / .parquet files, a datasets
@@ -150,21 +166,29 @@ class DataConfig(_Section):
     sources: list[SourceWeight] | None = Field(None, min_length=1)
     # A source drawn more than this many times over (epochs) in optim.max_steps is refused before training.
     max_source_epochs: float | None = Field(None, gt=0)
+    # The field of a JSONL / Parquet / datasets record that holds a document's text (pretraining).
     text_field: str = "text"
     # Deterministic subset of a raw corpus, so tiny recipes tokenize in seconds (a prepared one is used whole).
     max_bytes: int | None = Field(None, gt=0)
+    # At most this many files of a raw directory or glob (a deterministic subset, as max_bytes).
     max_files: int | None = Field(None, gt=0)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    # Tokens per training row (pretraining rows are windows of the token stream; SFT rows are padded or packed).
     seq_length: int = Field(128, gt=1)
     batch_size: int = Field(8, gt=0, description="micro-batch per device")
+    # DataLoader worker processes per rank (0: batches are built in the training process).
     num_workers: int = Field(0, ge=0)
+    # Keep the DataLoader's workers alive between epochs (needs num_workers > 0).
     persistent_workers: bool = False
+    # Share held out for validation: whole documents (pretraining, by token share) or records (other stages).
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    # Where raw sources are prepared in process and tokenizers trained here are cached (default: $CANNTRAIN_CACHE,
+    # else ~/.cache/canntrain).
     cache_dir: str | None = None
     # A JSONL line that is not a usable record, or a file in a text directory that is not UTF-8
     # text: "error" stops with its file and line, "skip" leaves it out and counts it (info["bad_records"]).
     on_bad_record: Literal["skip", "error"] = "error"
-    # ---- instruction data (train_mode sft)
+    # instruction data (train_mode sft):
     format: Literal["auto", "alpaca", "messages", "sharegpt"] = "auto"
     # Which tokens the loss trains on: every assistant answer, only the final one, or all tokens.
     train_on: Literal["assistant", "last", "all"] = "assistant"
@@ -198,19 +222,33 @@ class DataConfig(_Section):
 
 
 class OptimConfig(_Section):
+    """AdamW, the learning-rate schedule, accumulation, clipping and the run's length."""
+
+    # The optimizer: AdamW (decoupled weight decay; norms and biases are not decayed).
     name: Literal["adamw"] = "adamw"
+    # Peak learning rate, reached after warmup.
     lr: float = Field(1e-3, gt=0)
+    # AdamW's decoupled weight decay on the weight matrices.
     weight_decay: float = Field(0.1, ge=0)
+    # AdamW's (beta1, beta2).
     betas: tuple[float, float] = (0.9, 0.95)
+    # AdamW's epsilon.
     eps: float = Field(1e-8, gt=0)
+    # The decay after warmup: cosine or linear to min_lr_ratio x lr, or constant.
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    # Warmup as a share of max_steps (or warmup_steps; not both). Neither: no warmup.
     warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    # Linear warmup steps from 0 to lr (or warmup_ratio; not both).
     warmup_steps: int | None = Field(None, ge=0)
+    # The schedule ends at this x lr.
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    # Micro-batches per optimizer step: global batch = batch_size x data-parallel ranks x this.
     grad_accum_steps: int = Field(1, gt=0)
+    # Optimizer steps of the run (computed from epochs when that is set).
     max_steps: int = Field(100, gt=0)
     # Passes over the training data; when set, the trainer computes max_steps from it (and says so).
     epochs: float | None = Field(None, gt=0)
+    # Clip the global gradient norm to this (None: no clipping); the norm is logged before clipping.
     grad_clip: float | None = Field(1.0, gt=0)
     # Keep AdamW states (and fp32 master weights) in host memory: the cann-recipes-train articles' "swap optimizer".
     offload_optimizer: bool = False
@@ -241,10 +279,18 @@ class OptimConfig(_Section):
 
 
 class DistributedConfig(_Section):
+    """The parallel layout (tp x pp x dp x cp, ep over dp x cp, ZeRO stage) and the job's devices."""
+
+    # Processes of the job: tensor x pipeline x data x context parallel sizes (PPO's separated placement adds
+    # rlhf.scorer_ranks).
     world_size: int = Field(1, gt=0)
+    # Ranks each layer's matrices are split over (Megatron's TP; within a node unless allow_cross_node_tp).
     tensor_parallel_size: int = Field(1, gt=0)
+    # Pipeline stages the layers are split into.
     pipeline_parallel_size: int = Field(1, gt=0)
+    # Replicas (or ZeRO/FSDP shards) that each train on their own rows.
     data_parallel_size: int = Field(1, gt=0)
+    # Ranks each row's tokens are split over (ring attention; long sequences).
     context_parallel_size: int = Field(1, gt=0)
     # Experts are spread over data/context-parallel ranks (as in Megatron), so ep is not a factor
     # of world_size; it must divide data_parallel_size * context_parallel_size.
@@ -257,6 +303,7 @@ class DistributedConfig(_Section):
     # With tensor parallel: the embedding and the output head split over the vocabulary, and the loss computed
     # on each rank's slice of the logits (never the whole [tokens, vocab] on one rank).
     vocab_parallel: bool = True
+    # 1F1B (less activation memory) or GPipe (all forwards, then all backwards).
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     # Seconds a collective may wait before the job fails (instead of hanging).
     timeout_seconds: int = Field(600, gt=0)
@@ -306,10 +353,15 @@ class DistributedConfig(_Section):
 class LoraSettings(_Section):
     """LoRA adapters through peft: only the adapters train; checkpoints hold only them."""
 
+    # Train LoRA adapters (train_mode sft) instead of every weight.
     enabled: bool = False
+    # The adapters' rank r.
     rank: int = Field(16, gt=0)
+    # The adapters' scale is alpha / rank (peft's lora_alpha).
     alpha: float = Field(32.0, gt=0)
+    # Dropout on the adapters' input (peft's lora_dropout).
     dropout: float = Field(0.05, ge=0, lt=1)
+    # The projections that get adapters (peft's target_modules).
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
@@ -318,18 +370,25 @@ class RLHFConfig(_Section):
 
     # grpo, ppo: sampling
     generate_max_length: int = Field(16, gt=0, description="new tokens per response")
+    # Sampling temperature of the rollouts (0: greedy).
     temperature: float = Field(1.0, ge=0)
     top_k: int = Field(0, ge=0, description="0: sample from the whole vocabulary")
     # grpo, ppo: the update
     ppo_epochs: int = Field(1, gt=0, description="passes over each rollout")
     mini_batch_size: int = Field(8, gt=0, description="responses per optimizer step within a rollout")
+    # PPO's clip of the probability ratio (1 +- clip_range).
     clip_range: float = Field(0.2, gt=0)
     kl_coeff: float = Field(0.02, ge=0, description="weight of KL(policy || reference); 0 loads no reference")
-    # ppo
+    # ppo:
+    # Clip of the critic's new values around the old ones.
     value_clip_range: float = Field(0.2, gt=0)
+    # Weight of the critic's value loss.
     value_coeff: float = Field(0.1, ge=0)
+    # Discount of rewards over a response's tokens (GAE's gamma).
     gamma: float = Field(1.0, ge=0, le=1)
+    # GAE's lambda: the bias-variance trade of the advantages.
     lam: float = Field(0.95, ge=0, le=1)
+    # Normalise the advantages over the batch (mean 0, std 1).
     whiten_advantages: bool = True
     target_kl: float | None = Field(None, gt=0, description="adaptive KL controller's target (None: fixed kl_coeff)")
     missing_eos_penalty: float = Field(
@@ -340,17 +399,21 @@ class RLHFConfig(_Section):
     # of their own, beyond distributed.world_size (the job launches world_size + scorer_ranks)
     device_placement: Literal["shared", "separated"] = "shared"
     scorer_ranks: int = Field(1, gt=0, description="separated placement: processes holding reference and reward model")
-    # grpo
+    # grpo:
     group_size: int = Field(4, gt=1, description="responses sampled per prompt")
     clip_range_high: float | None = Field(None, gt=0, description="DAPO's clip-higher (None: clip_range)")
+    # How token losses make the loss: per-sequence means (grpo), over the batch's tokens (bnpo), by a constant
+    # (dr_grpo), over the group's tokens (dapo), as TRL names them.
     loss_aggregation: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
     # advantages divided by the std of the group's scores (GRPO), of the batch's, or not at all (Dr. GRPO)
     scale_rewards: Literal["group", "batch", "none"] = "group"
     # grpo, ppo: the per-token KL(policy || reference) estimate (losses.kl_penalty); None: the stage's
     # peers' default, k3 in GRPO's loss (TRL), k1 in PPO's reward (TRL, verl); low_var_kl: verl's clamped k3
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] | None = None
-    # dpo
+    # dpo:
+    # DPO's beta: how far the policy may move from the reference.
     beta: float = Field(0.1, gt=0)
+    # DPO's label smoothing (the conservative DPO of TRL): the chance a preference is flipped.
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
 
 
@@ -400,14 +463,20 @@ class ProfileConfig(_Section):
 
 
 class LoggingConfig(_Section):
+    """What is logged, evaluated and checkpointed, and how often."""
+
+    # Steps between metrics.jsonl rows (loss, lr, grad_norm, throughput, MFU, memory).
     log_interval: int = Field(10, gt=0)
+    # Steps between evaluations on the held-out split (and at the last step).
     eval_interval: int = Field(50, gt=0)
     # Validation set size in global batches (global_batch_size sequences each), whatever the layout.
     eval_batches: int = Field(8, gt=0)
     # train_mode sft: held-out samples whose final answer is generated greedily and scored (exact match)
     # at every evaluation; 0 turns it off.
     eval_exact_match: int = Field(0, ge=0)
+    # Steps between checkpoints (and at the last step).
     ckpt_interval: int = Field(100, gt=0)
+    # Complete checkpoints kept; older ones are pruned (damaged ones set aside, never deleted).
     keep_last: int = Field(3, gt=0)
     # A gradient norm over this many times the median of the last 20 steps' is reported (grad_norm_spikes)
     grad_spike_factor: float | None = Field(10.0, gt=1)
@@ -418,6 +487,7 @@ class LoggingConfig(_Section):
 
 class Recipe(_Section):
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
+    # The stage: pretrain, sft (with lora.enabled for LoRA), reward, dpo, grpo or ppo (canntrain_core/stages/).
     train_mode: Literal["pretrain", "sft", "reward", "dpo", "grpo", "ppo"] = "pretrain"
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -625,7 +695,7 @@ def _apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 # The cann-recipes-train articles' recipe keys and what each is called here: an "unknown key" among them says so.
-# README, "Coming from the cann-recipes-train articles", shows the same table.
+# docs/command-line.md, "Coming from the cann-recipes-train articles", shows the same table.
 ARTICLE_KEYS = {
     "model_name": "model.preset (a shape by name, e.g. llama2-70b) or model.init_from (a Hugging Face directory)",
     "model.config_path": "model.init_from (a directory with config.json) or model.preset",

@@ -8,7 +8,7 @@ clipped policy-gradient steps over mini-batches of ``rlhf.mini_batch_size`` resp
 ``rlhf.kl_estimator`` estimate (default k3, TRL's and DeepSeekMath's) of KL(policy || reference) in the
 loss (0 loads no reference). ``rlhf.loss_aggregation`` says how token losses become one number
 (``losses.aggregate``); the policy and the KL term share it, as in TRL and verl. No critic and no reward
-model: that is the memory GRPO saves over PPO. Metrics are named as verl names them (README, "Alignment").
+model: that is the memory GRPO saves over PPO. Metrics are named as verl names them (docs/alignment.md).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Each iteration (one ``step``):
    horizon of 10,000 responses), on the KL summed over each response and averaged over responses (the
    legacy TRL controller's ``mean_kl``; verl's controller reads the per-token mean instead).
 
-Metrics are named as verl names them (README, "Alignment"); the iteration's KL to the reference is
+Metrics are named as verl names them (docs/alignment.md); the iteration's KL to the reference is
 ``actor/reward_kl_penalty`` (each response's mean over its tokens, averaged over responses), the
 coefficient that weighed it ``actor/reward_kl_penalty_coeff``.
 

@@ -52,7 +52,7 @@ def curves_figure(run_dirs: list[str | Path], keys: list, labels: list[str] | No
     """One panel per metric in ``keys`` (against step), one line per run; a run without a metric is left out
     of its panel. A key may be a tuple of keys: each run plots the first of them it logged (GRPO's
     ``actor/kl_loss`` and PPO's ``actor/reward_kl_penalty`` in one panel). For alignment runs (verl's names,
-    README "Alignment"): ``true_score/mean`` (the checker's score), ``critic/score/mean`` (the score the
+    docs/alignment.md): ``true_score/mean`` (the checker's score), ``critic/score/mean`` (the score the
     policy is trained on), ``actor/kl_loss`` or ``actor/reward_kl_penalty``, ``val_score``."""
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     runs = [read_metrics(run_dir) for run_dir in run_dirs]
