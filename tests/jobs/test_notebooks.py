@@ -36,11 +36,26 @@ def _canntrain(*args, cwd=ROOT):
     )
 
 
-def test_papermill_quickstart_run_dir_is_complete(tmp_path):
+class _Ran:
+    def __init__(self, returncode: int, captured):
+        self.returncode, self.stdout, self.stderr = returncode, captured.out, captured.err
+
+
+def _canntrain_here(capfd, *args) -> _Ran:
+    """The command line in this process (papermill still starts the notebook's own kernel)."""
+    from canntrain_core.cli import main
+
+    capfd.readouterr()
+    rc = main(list(args))
+    return _Ran(rc, capfd.readouterr())
+
+
+def test_papermill_quickstart_run_dir_is_complete(tmp_path, capfd):
     run_dir = tmp_path / "quick"
-    proc = _canntrain(
+    proc = _canntrain_here(
+        capfd,
         "run",
-        "cookbook/00_quickstart.ipynb",
+        str(ROOT / "cookbook" / "00_quickstart.ipynb"),
         "-p",
         "max_steps",
         "40",
@@ -66,7 +81,7 @@ def test_papermill_quickstart_run_dir_is_complete(tmp_path):
     assert injected and "max_steps = 40" in injected[0].source
 
 
-def test_failing_cell_is_named(tmp_path):
+def test_failing_cell_is_named(tmp_path, capfd):
     nb = nbformat.v4.new_notebook(
         cells=[
             nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]}),
@@ -77,7 +92,7 @@ def test_failing_cell_is_named(tmp_path):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     path = tmp_path / "broken.ipynb"
     nbformat.write(nb, path)
-    proc = _canntrain("run", str(path), "--run-dir", str(tmp_path / "out"))
+    proc = _canntrain_here(capfd, "run", str(path), "--run-dir", str(tmp_path / "out"))
     assert proc.returncode != 0
     assert "ValueError: the data path is wrong" in proc.stderr
     assert "cell" in proc.stderr and str(tmp_path / "out" / "broken.ipynb") in proc.stderr

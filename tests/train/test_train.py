@@ -1,7 +1,6 @@
 """Trainer behaviour: bit-exact resume, run-directory safety, checkpoint integrity, schedule."""
 
 import math
-import os
 import subprocess
 import sys
 
@@ -110,49 +109,34 @@ def test_schedule_warmup_cosine_floor(fast_recipe):
     assert all(a >= b for a, b in zip(factors, factors[1:]))
 
 
-@pytest.mark.slow  # two `canntrain train` processes
-def test_cli_train_resume_appends_metrics(tmp_path, data_cache):
-    env = {**os.environ, "CANNTRAIN_CACHE": data_cache}
-    common = [
-        sys.executable,
-        "-m",
-        "canntrain_core.cli",
-        "train",
-        str(TINY),
-        "--run-dir",
-        str(tmp_path),
-        "--no-progress",
-        "--set",
-        "data.max_bytes=300000",
-        "--set",
-        "data.tokenizer.vocab_size=512",
-        "--set",
-        f"data.cache_dir={data_cache}",
-        "--set",
-        "data.seq_length=64",
-        "--set",
-        "logging.log_interval=1",
-        "--set",
-        "logging.ckpt_interval=4",
-    ]
-    first = subprocess.run(common + ["--set", "optim.max_steps=4"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert first.returncode == 0, first.stderr[-2000:]
-    refused = subprocess.run(common + ["--set", "optim.max_steps=8"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert refused.returncode == 2 and "already holds an earlier run (step_4)" in refused.stderr
-    assert "Traceback" not in refused.stderr
-    again = subprocess.run(
-        common + ["--set", "optim.max_steps=8", "--resume-from", "auto"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "resumed from" in again.stdout and "step_4" in again.stdout
+@pytest.mark.slow  # three runs of the command (12 steps)
+def test_cli_train_resume_appends_metrics(tmp_path, data_cache, capfd):
+    """`canntrain train` as the command line runs it (in this process: tests/train's killed-process test runs the
+    command in its own): an existing run is refused, --resume-from auto continues it, a bad key is one line."""
+    from canntrain_core.cli import main
+
+    common = ["train", str(TINY), "--run-dir", str(tmp_path), "--no-progress"]
+    for key, value in {
+        "data.max_bytes": 300000,
+        "data.tokenizer.vocab_size": 512,
+        "data.cache_dir": data_cache,
+        "data.seq_length": 64,
+        "logging.log_interval": 1,
+        "logging.ckpt_interval": 4,
+    }.items():
+        common += ["--set", f"{key}={value}"]
+    assert main(common + ["--set", "optim.max_steps=4"]) == 0, capfd.readouterr().err[-2000:]
+    capfd.readouterr()
+    assert main(common + ["--set", "optim.max_steps=8"]) == 2
+    refused = capfd.readouterr().err
+    assert "already holds an earlier run (step_4)" in refused and "Traceback" not in refused
+    assert main(common + ["--set", "optim.max_steps=8", "--resume-from", "auto"]) == 0
+    again = capfd.readouterr().out
+    assert "resumed from" in again and "step_4" in again
     assert sorted(losses(tmp_path)) == list(range(1, 9))
     assert (tmp_path / "plots" / "loss.png").stat().st_size > 0  # drawn by the CLI from metrics.jsonl
-    bad = subprocess.run(common[:5] + ["--set", "optim.lrr=1"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "optim.lrr: unknown key" in bad.stderr
+    assert main(common[:2] + ["--set", "optim.lrr=1"]) == 2
+    assert "optim.lrr: unknown key" in capfd.readouterr().err
 
 
 def test_out_of_memory_names_estimate_and_fix_and_keeps_checkpoint(tmp_path, fast_recipe):
