@@ -39,6 +39,9 @@ class BuiltModel:
     schedule: Any  # the pipeline schedule under pipeline parallel, else None
     source: str  # where the weights came from, for the summary
     loaded: list[dict[str, Any]] = field(default_factory=list)  # init_from: this rank's tensors and slices
+    # what else a stage's build made for it to hold, by attribute name (PPO: policy, critic, frozen, kl_coeff):
+    # returned, not set on the trainer by the builder; the engine sets them after the build
+    held: dict[str, Any] = field(default_factory=dict)
 
 
 def build_meta_model(

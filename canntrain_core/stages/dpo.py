@@ -6,6 +6,8 @@ is positive.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from canntrain_core.losses import dpo_loss
@@ -27,8 +29,8 @@ class DPOTrainer(PairTrainer):
 
     def build_model(self, config, fill: bool):
         built = super().build_model(config, fill)
-        self.reference = build_frozen_model(self.recipe, config, self.acc.device, self.mesh, self.dims)
-        return built
+        reference = build_frozen_model(self.recipe, config, self.acc.device, self.mesh, self.dims)
+        return dataclasses.replace(built, held={"reference": reference})
 
     def pair_loss(self, b):
         ids, mask = b["ids"].to(self.acc.device).flatten(0, 1), b["mask"].to(self.acc.device).flatten(0, 1)

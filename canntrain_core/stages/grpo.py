@@ -13,6 +13,8 @@ model: that is the memory GRPO saves over PPO. Metrics are named as verl names t
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import torch
@@ -28,10 +30,10 @@ class GRPOTrainer(OnlineTrainer):
 
     def build_model(self, config, fill: bool):
         built = super().build_model(config, fill)
-        self.policy, self.reference = built.model, None
+        reference = None
         if self.recipe.rlhf.kl_coeff > 0:  # frozen, always the init_from weights
-            self.reference = build_frozen_model(self.recipe, config, self.acc.device, self.mesh, self.dims)
-        return built
+            reference = build_frozen_model(self.recipe, config, self.acc.device, self.mesh, self.dims)
+        return dataclasses.replace(built, held={"policy": built.model, "reference": reference})
 
     def models(self) -> dict:
         return {"policy": self.model, **({"reference": self.reference} if self.reference is not None else {})}

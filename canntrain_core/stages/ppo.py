@@ -77,16 +77,16 @@ class PPOTrainer(OnlineTrainer):
         if fill and rm:  # the critic starts as the reward model (OpenRLHF's default)
             load_model_weights(rm, critic, verify=False)
         if h.device_placement == "shared":
-            self.frozen = FrozenModels.build(r, config, dev, self.mesh, self.dims, reward_ckpt=rm)
+            frozen = FrozenModels.build(r, config, dev, self.mesh, self.dims, reward_ckpt=rm)
         else:
             from canntrain_core.runtime.distributed import exchange_group
 
             group, me = exchange_group()
-            self.frozen = RemoteFrozenModels(
+            frozen = RemoteFrozenModels(
                 group, r.distributed.world_size + me % h.scorer_ranks, h.kl_coeff > 0, bool(h.reward_model)
             )
-        self.policy, self.critic, self.kl_coeff = actor.model, critic, h.kl_coeff
-        return BuiltModel(ActorCritic(actor.model, critic), config, None, actor.source, actor.loaded)
+        held = {"policy": actor.model, "critic": critic, "frozen": frozen, "kl_coeff": h.kl_coeff}
+        return BuiltModel(ActorCritic(actor.model, critic), config, None, actor.source, actor.loaded, held)
 
     @staticmethod
     def roles(recipe) -> list[tuple[str, bool, bool]]:

@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
 from canntrain_core.errors import NonFinite
+from canntrain_core.runtime.log import get_logger
 from canntrain_core.train.timing import StepTimer, advice
 
 
 def checkpoint_sentence(last: Path | None) -> str:
     """What a run that stops says of the checkpoint to resume from."""
     return f"The last complete checkpoint is {last}." if last else "No checkpoint was written yet."
+
+
+log = get_logger(__name__)
 
 
 class Health:
@@ -63,8 +66,8 @@ class Health:
         self.grad_norms.append(norm)
 
     def _say(self, line: str) -> None:
-        if self.rank == 0:
-            print(line, file=sys.stderr)
+        if self.rank == 0:  # every rank sees the same norm: one says it
+            log.warning(line)
 
     def take(self, steps: int, step_time: float) -> dict[str, Any]:
         """The row's share: seconds per step of each phase over the last ``steps`` (``logging.profile``), skipped

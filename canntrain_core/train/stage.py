@@ -60,7 +60,9 @@ class Stage(Protocol):
         """The data bundle: ``train_loader()``, ``val_batches(...)``, ``sampler``, ``decode``, ``info``."""
 
     def build_model(self, config, fill: bool) -> Any:
-        """The model it trains (a ``models.lifecycle.BuiltModel``); ``fill``: load weights (not on a resume)."""
+        """The model it trains (a ``models.lifecycle.BuiltModel``); ``fill``: load weights (not on a resume). What
+        else the build makes for the stage to hold (a reference model, a critic, their state) is returned in the
+        BuiltModel's ``held``, which the engine sets on the trainer: never set by the builder as a side effect."""
 
     def models(self) -> dict:
         """The models it holds, by role: what the memory tools measure."""

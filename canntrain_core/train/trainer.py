@@ -45,6 +45,7 @@ from canntrain_core.runtime.distributed import (
     init_distributed,
     rank,
 )
+from canntrain_core.runtime.log import get_logger
 from canntrain_core.runtime.environment import check_ranks_agree, check_target_device
 from canntrain_core.runtime.watchdog import Whereabouts, describe_failure, is_collective_failure
 from canntrain_core.sizing.layout import Layout, check_layout
@@ -54,6 +55,9 @@ from canntrain_core.train.optim import build_optimizer, build_scheduler
 from canntrain_core.train.progress import progress_bar
 from canntrain_core.train.health import Health, checkpoint_sentence
 from canntrain_core.train.timing import TraceWindow
+
+
+log = get_logger(__name__)
 
 
 class RunDirError(BadInput):
@@ -181,22 +185,23 @@ class Trainer:
             steps = math.ceil(
                 r.optim.epochs * self.data.sampler.samples_per_epoch / (r.data.batch_size * r.optim.grad_accum_steps)
             )
-            if self.rank == 0:
-                print(
-                    f"optim.epochs={r.optim.epochs:g}: {steps} steps ({self.data.sampler.samples_per_epoch} rows "
-                    f"per data-parallel rank per epoch)"
-                )
+            log.info(
+                f"optim.epochs={r.optim.epochs:g}: {steps} steps ({self.data.sampler.samples_per_epoch} rows "
+                f"per data-parallel rank per epoch)"
+            )
             r.optim.max_steps = steps
         if hasattr(self.data, "names"):  # each source's share and passes (data.max_source_epochs refuses too many)
             line = epochs_summary(self.data, r.optim.max_steps * r.global_batch_size)
-            if self.rank == 0 and len(self.data.names) > 1:
-                print(line)
+            if len(self.data.names) > 1:
+                log.info(line)
         if not m.init_from:  # the trained tokenizer's EOS, for generate() and an exported model
             config.bos_token_id, config.eos_token_id = None, self.data.eos_id
         self.memory_baseline = self.acc.memory_in_use()  # distributed.memory_budget_gb counts from here
         self.undo_budget = None
         built = self.build_model(config, fill=resume_path is None)
         self.model, self.schedule = built.model, built.schedule
+        for name, value in built.held.items():  # the stage's other models and their state (its build returned them)
+            setattr(self, name, value)
         self.aux_loss: torch.Tensor | None = None  # a mixture of experts' load-balancing loss over the last step
         self.expert_tokens: torch.Tensor | None = None  # and its routed tokens per layer and expert since the last log
         self.dropped_tokens: torch.Tensor | None = None  # and per layer those over capacity (expert_capacity_factor)
@@ -208,15 +213,15 @@ class Trainer:
         if resume_path is not None and self.adapters_only:
             self._on_rank0(lambda: check_base(resume_path, m.init_from, "resume", self.lora_base_fingerprint))
         self.loaded_from = built.loaded  # init_from: this rank's tensors and the slices it read
-        if self.rank == 0 and r.optim.offload_optimizer and self.acc.type == "cpu":
-            print(
+        if r.optim.offload_optimizer and self.acc.type == "cpu":
+            log.info(
                 "optim.offload_optimizer: FSDP2's CPUOffloadPolicy is applied, but on this CPU-only host "
                 "parameters, gradients and optimizer states are in host memory already: a no-op here"
             )
-        if self.rank == 0 and self.adapters_only:
-            print(f"LoRA {adapter_summary(self.model)}: {trainable_summary(self.model)}")
-        if self.rank == 0 and m.init_from and resume_path is None:
-            print(
+        if self.adapters_only:
+            log.info(f"LoRA {adapter_summary(self.model)}: {trainable_summary(self.model)}")
+        if m.init_from and resume_path is None:
+            log.info(
                 f"model: {built.source} (the architecture from its config.json); tokenizer: "
                 f"{self.data.info['tokenizer_path']} (data.tokenizer's training settings do not apply)"
                 + (f"; chat template: {self.data.info['chat_template']}" if "chat_template" in self.data.info else "")
@@ -246,7 +251,7 @@ class Trainer:
             (self.run_dir / "data.json").write_text(json.dumps(self.data.info, indent=1))
             # (the stdlib's deliberately non-UTF-8 test files are counted there too, not printed)
             if self.data.info.get("bad_records") and r.data.source != "stdlib":
-                print(
+                log.info(
                     f"data: skipped {self.data.info['bad_records']} bad record(s) "
                     f"(data.on_bad_record={r.data.on_bad_record}); see {self.run_dir / 'data.json'}"
                 )
@@ -773,13 +778,13 @@ class Trainer:
         self.health.skipped_steps = state.get("skipped_steps", 0)
         if self.rank == 0:
             self.metrics.truncate_after(self.step)
-            print(f"resumed from {path} at step {self.step}")
+            log.info(f"resumed from {path} at step {self.step}")
 
     def _inspect_run_dir(self, resume_from: str | Path | None) -> Path | None:
         """The checkpoint to resume from, once the run directory is known to be usable (``check_run_dir``)."""
         check_run_dir(self.run_dir)
         for line in checkpoint.clean_interrupted(self.ckpt_root, self.recipe.logging.keep_last):
-            print(f"checkpoints: {line}")
+            log.info(f"checkpoints: {line}")
         return self._resume_path(resume_from)
 
     def _resume_path(self, resume_from: str | Path | None) -> Path | None:
@@ -796,7 +801,7 @@ class Trainer:
         if str(resume_from) == "auto":
             path, damaged = checkpoint.find_resumable(self.ckpt_root)
             if path is None and not damaged:
-                print(f"resume_from=auto: no checkpoint in {self.ckpt_root}; starting fresh")
+                log.info(f"resume_from=auto: no checkpoint in {self.ckpt_root}; starting fresh")
         else:
             path = Path(resume_from)
             checkpoint.verify_checkpoint(path)  # a bad explicit path is an error, not a silent fresh start
@@ -808,14 +813,14 @@ class Trainer:
                 checkpoint.checkpoint_config(path),
                 self.model_config.to_dict(),
             ):
-                print(line)
+                log.info(line)
         for bad, error in damaged:  # set aside, so this run can write that step afresh
             moved = checkpoint.set_aside(bad)
-            print(
+            log.info(
                 f"resume: {bad.name} is damaged ({str(error).removeprefix(f'{bad}: ')}); moved it aside to {moved.name}"
             )
         if path is None and damaged:
-            print(f"resume_from=auto: no complete checkpoint left in {self.ckpt_root}; starting fresh")
+            log.info(f"resume_from=auto: no complete checkpoint left in {self.ckpt_root}; starting fresh")
         return path
 
     def result(self) -> RunResult:
