@@ -134,6 +134,20 @@ class PromptBundle(TokenText):
     val: list[tuple[list[int], str]]
     sampler: object
     info: dict
+    names: list[str]  # the sources, as their metrics name them
+
+    def train_loader(self):
+        """Each iteration's ``data.batch_size`` prompts of this rank, in the sampler's order (advanced by them)."""
+        it = iter(self.sampler)
+        while True:
+            picked = [self.train[next(it)] for _ in range(self.cfg.batch_size)]
+            self.sampler.advance(len(picked))
+            yield picked
+
+    def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list:
+        """This rank's share of the first ``n_samples`` held-out prompts, ``batch_size`` at a time."""
+        mine = self.val[:n_samples][dp_rank::dp_size]
+        return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
 
     def answer_text(self, response: list[int]) -> str:
         """A response's text without its end token."""
@@ -200,4 +214,5 @@ def build_prompt_data(
         val,
         sampler,
         info,
+        [s.name for s in sources],
     )

@@ -32,11 +32,6 @@ class OnlineTrainer(Trainer):
             r.data, r.experiment.seed, r.rlhf.generate_max_length, *self.dp, **self.tokenizer_args(config)
         )
 
-    def next_prompts(self, it) -> list[tuple[list[int], str]]:
-        picked = [self.data.train[next(it)] for _ in range(self.recipe.data.batch_size)]
-        self.data.sampler.advance(len(picked))
-        return picked
-
     def compute(self):
         """Autocast to the recipe's precision (fp32: nothing): what every forward of a stage runs under."""
         return self.acc.autocast(self.recipe.model.precision)
@@ -72,9 +67,7 @@ class OnlineTrainer(Trainer):
 
     def batches(self):
         """Each iteration's ``data.batch_size`` prompts, in the sampler's order."""
-        it = iter(self.data.sampler)
-        while True:
-            yield self.next_prompts(it)
+        return self.data.train_loader()
 
     def log_record(self, raw: dict, last: bool) -> dict:
         """The iteration's metrics at ``logging.log_interval``s: every rank holds the same ``raw`` up to its own

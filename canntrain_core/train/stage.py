@@ -19,7 +19,7 @@ The order the loop calls them: ``build_data`` and ``build_model`` once (before a
 from __future__ import annotations
 
 import inspect
-from typing import Any, ClassVar, Iterator, Protocol
+from typing import Any, ClassVar, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -96,6 +96,29 @@ class Stage(Protocol):
 
     def close(self) -> None:
         """What it releases when the loop ends, finished or not."""
+
+
+@runtime_checkable
+class DataBundle(Protocol):
+    """What every stage's data (``build_data``) gives the engine, whatever it holds (token windows, packed SFT
+    rows, preference pairs, prompts): the same names mean the same in every stage, so ``data.num_workers`` or a
+    resumed position does too. ``tests/stages/test_stage_contract.py`` checks each stage's bundle against it."""
+
+    tokenizer: Any  # a tokenizers.Tokenizer
+    eos_id: int
+    vocab_size: int  # the model's embedding rows
+    sampler: Any  # data.sampler.ResumableSampler: the job's position, kept in every checkpoint
+    info: dict  # what was read, skipped and built (the run directory's data.json)
+    names: list  # the sources of a mixture, as their metrics name them
+
+    def train_loader(self) -> Any:
+        """The training batches of this rank, from the sampler's position (data.num_workers, persistent_workers)."""
+
+    def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list:
+        """This rank's share of ``n_samples`` held-out samples, in batches: the same at every evaluation."""
+
+    def decode(self, ids) -> str:
+        """The text of token ids, special tokens shown."""
 
 
 HOOKS = frozenset(

@@ -22,6 +22,7 @@ from canntrain_core.finetune.alignment_data import preference_records
 from canntrain_core.train.metrics import read_metrics
 from conftest import rows_by_step, CONFIGS, write_hf_model
 from canntrain_core.stages import make_trainer
+from canntrain_core.train.stage import DataBundle
 
 
 STEPS = 4
@@ -111,7 +112,9 @@ def test_every_train_mode_is_checked_here_and_has_a_tiny_recipe():
 @pytest.mark.parametrize("mode", list(STAGE))
 def test_a_stage_resumes_bit_exactly(mode, inputs, data_cache, tmp_path):
     recipe = _recipe(mode, inputs, data_cache)
-    make_trainer(recipe, run_dir=tmp_path / "full", progress=False).fit()
+    full = make_trainer(recipe, run_dir=tmp_path / "full", progress=False)
+    assert isinstance(full.data, DataBundle), type(full.data)  # one data interface for every stage
+    full.fit()
     make_trainer(recipe, run_dir=tmp_path / "cut", progress=False).fit(stop_after=2)
     make_trainer(recipe, run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
     full, cut = rows_by_step(tmp_path / "full"), rows_by_step(tmp_path / "cut")
