@@ -91,6 +91,18 @@ def _is_oom(e: BaseException) -> bool:
 
 
 @dataclass
+class Interval:
+    """The logging interval being timed for throughput: when it started (evaluation and checkpoint time added back
+    by ``Trainer.paused``) and how many steps it has run."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+@dataclass
 class RunResult:
     run_dir: Path
     step: int
@@ -348,7 +360,7 @@ class Trainer:
         bar = progress_bar(r.optim.max_steps, self.step, r.experiment.name, self.progress)
         trace = TraceWindow(r.logging.profile, self.run_dir / "profile", self.acc, self.rank)
         self.acc.reset_peak_memory()
-        self.window = [time.perf_counter(), 0]  # throughput: the start and steps of the interval being timed
+        self.window = Interval()  # throughput: the interval being timed
         self._limit_memory()
         try:
             while self.step < r.optim.max_steps:
@@ -366,7 +378,7 @@ class Trainer:
                 trace.after(self.step + 1)
                 self.scheduler.step()
                 self.step += 1
-                self.window[1] += 1
+                self.window.steps += 1
                 bar.update(1)
                 last = self.step == r.optim.max_steps
                 record = logged = self.log_record(raw, last)
@@ -387,7 +399,7 @@ class Trainer:
                 if self.step == stop_after:
                     break
                 if logged:  # the next interval's clock (and breakdown) starts; an evaluation alone does not end one
-                    self.window = [time.perf_counter(), 0]
+                    self.window = Interval()
         except BaseException as e:  # a save's collectives fail inside torch's CheckpointException, a BaseException
             if not is_collective_failure(e):
                 raise
@@ -405,7 +417,7 @@ class Trainer:
 
     def interval_step_time(self) -> float:
         """Seconds per step since the interval being logged started (evaluation and checkpoints taken off)."""
-        return (time.perf_counter() - self.window[0]) / self.window[1]
+        return self.window.seconds() / self.window.steps
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -414,7 +426,7 @@ class Trainer:
         try:
             yield
         finally:
-            self.window[0] += time.perf_counter() - start
+            self.window.start += time.perf_counter() - start
 
     # ------------------------------------------------------------------ a stage's step (pretraining's here)
     def batches(self) -> Iterator:
@@ -484,7 +496,7 @@ class Trainer:
         if self.aux_loss is not None:  # MoE: "loss" holds router_aux_loss_coef x it, as transformers' loss does
             record["aux_loss"] = self._mean_over_ranks(self.aux_loss)
             record.update(self._expert_balance())
-        record.update(self.health.take(self.window[1], record["step_time"]))
+        record.update(self.health.take(self.window.steps, record["step_time"]))
         if len(getattr(self.data, "names", ())) > 1:  # a mixture: what was drawn from each source so far
             record.update(drawn_per_source(self.data))
         if "padding_fraction" in self.data.info:  # instruction rows: the interval's tokens that were not padding
@@ -492,7 +504,7 @@ class Trainer:
                 self._sum_over_dp(torch.tensor(float(self.real_tokens), device=self.acc.device), everywhere=True)
                 / self.dims.dp
             )
-            record["real_tokens_per_second"] = real / self.dims.non_data_parallel / (dt * self.window[1])
+            record["real_tokens_per_second"] = real / self.dims.non_data_parallel / (dt * self.window.steps)
             self.real_tokens = 0
         return record
 
