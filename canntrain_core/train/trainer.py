@@ -46,15 +46,14 @@ from canntrain_core.runtime.distributed import (
     rank,
 )
 from canntrain_core.runtime.log import get_logger
+from canntrain_core.train.callbacks import engine_callbacks
 from canntrain_core.runtime.environment import check_ranks_agree, check_target_device
 from canntrain_core.runtime.watchdog import Whereabouts, describe_failure, is_collective_failure
 from canntrain_core.sizing.layout import Layout, check_layout
 from canntrain_core.sizing.oom import oom_hint
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
-from canntrain_core.train.progress import progress_bar
 from canntrain_core.train.health import Health, checkpoint_sentence
-from canntrain_core.train.timing import TraceWindow
 
 
 log = get_logger(__name__)
@@ -157,6 +156,7 @@ class Trainer:
         resume_from: str | Path | None = None,
         accelerator: Accelerator | None = None,
         progress: bool = True,
+        callbacks: list | None = None,
     ):
         if recipe.train_mode not in self.train_modes:  # a stage's recipe never runs another stage's loop
             raise RecipeError(
@@ -168,6 +168,7 @@ class Trainer:
             deep=True
         )  # the caller's recipe is not changed (optim.epochs sets max_steps)
         self.acc = accelerator or get_accelerator()
+        self.callbacks = list(callbacks or [])  # a user's (train/callbacks.py), after the engine's own
         m, d = r.model, r.distributed
         if not m.init_from:  # the embedding rows the data implies: written into the resolved recipe
             r.data.tokenizer.vocab_size = model_vocab_size(r.data)
@@ -357,14 +358,15 @@ class Trainer:
         batches = self.batches()
         if self.step == 0:
             self._write({"step": 0, **self.evaluate()})
-        bar = progress_bar(r.optim.max_steps, self.step, r.experiment.name, self.progress)
-        trace = TraceWindow(r.logging.profile, self.run_dir / "profile", self.acc, self.rank)
+        callbacks = engine_callbacks() + self.callbacks
         self.acc.reset_peak_memory()
         self.window = Interval()  # throughput: the interval being timed
-        self._limit_memory()
         try:
+            for cb in callbacks:
+                cb.on_fit_start(self)
             while self.step < r.optim.max_steps:
-                trace.before(self.step + 1)
+                for cb in callbacks:
+                    cb.before_step(self, self.step + 1)
                 self.where.post(self.step + 1, "data")
                 with self.timer("data"):
                     batch = next(batches)
@@ -375,19 +377,19 @@ class Trainer:
                     if not _is_oom(e):
                         raise
                     raise self._out_of_memory(e) from e
-                trace.after(self.step + 1)
+                for cb in callbacks:
+                    cb.after_iteration(self, self.step + 1)
                 self.scheduler.step()
                 self.step += 1
                 self.window.steps += 1
-                bar.update(1)
                 last = self.step == r.optim.max_steps
                 record = logged = self.log_record(raw, last)
                 if self.step % r.logging.eval_interval == 0 or last:
                     self.where.post(self.step, "evaluate")
                     with self.paused():
                         record = self.with_evaluation(record, raw)
-                if self.progress:
-                    bar.set_postfix(self.postfix(raw, record))
+                for cb in callbacks:
+                    cb.after_step(self, raw, record)
                 if record:
                     self._write({"step": self.step, **record})
                 if self.step % r.logging.ckpt_interval == 0 or self.step in (r.optim.max_steps, stop_after):
@@ -408,11 +410,10 @@ class Trainer:
                 + checkpoint_sentence(self._last_checkpoint())
             ) from e
         finally:
-            self._release_memory()
+            for cb in reversed(callbacks):
+                cb.on_fit_end(self)
             self.metrics.close()  # its sinks: TensorBoard's writer, a notebook's last held-back picture
-            trace.close()
             self.close()
-            bar.close()
         return self.result()  # plots are drawn from metrics.jsonl by the CLI and the notebooks
 
     def interval_step_time(self) -> float:
@@ -609,18 +610,18 @@ class Trainer:
         run(*args, **kwargs)
         return torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.acc.device)
 
-    def _limit_memory(self) -> None:
+    def limit_memory(self) -> None:
         budget = self.recipe.distributed.memory_budget_gb
         if budget and self.undo_budget is None:
             self.undo_budget = self.acc.limit_memory(int(budget * 2**30), since=self.memory_baseline)
 
-    def _release_memory(self) -> None:
+    def release_memory(self) -> None:
         if self.undo_budget is not None:
             self.undo_budget()
             self.undo_budget = None
 
     def _out_of_memory(self, error: BaseException) -> OutOfMemory:
-        self._release_memory()  # the diagnosis needs a little memory itself
+        self.release_memory()  # the diagnosis needs a little memory itself
         budget = self.recipe.distributed.memory_budget_gb
         capacity = budget * 2**30 if budget else self.acc.memory_capacity_bytes() or 0
         hint = oom_hint(self.recipe, capacity, self.model_config)

@@ -318,3 +318,51 @@ def test_the_trainer_does_not_change_the_callers_recipe(tmp_path, fast_recipe):
     trainer = Trainer(recipe, run_dir=tmp_path / "run", progress=False)
     assert trainer.recipe.optim.max_steps != 1000  # the epochs' steps, in the trainer's own copy
     assert recipe.to_yaml() == before
+
+
+def test_a_users_callback_sees_every_point_of_the_loop_in_order(tmp_path, fast_recipe):
+    """train/callbacks.py: on_fit_start once, before_step / after_iteration / after_step per step (the row made by
+    then), on_fit_end once, also when a step fails."""
+    from canntrain_core.train.callbacks import Callback
+
+    class Recorder(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_fit_start(self, trainer):
+            self.seen.append(("start", trainer.step))
+
+        def before_step(self, trainer, step):
+            self.seen.append(("before", step))
+
+        def after_iteration(self, trainer, step):
+            self.seen.append(("iteration", step))
+
+        def after_step(self, trainer, raw, record):
+            self.seen.append(("after", trainer.step, "loss" in record))
+
+        def on_fit_end(self, trainer):
+            self.seen.append(("end", trainer.step))
+
+    recorder = Recorder()
+    recipe = fast_recipe(**{"optim.max_steps": 2, "logging.log_interval": 2})
+    Trainer(recipe, run_dir=tmp_path / "a", progress=False, callbacks=[recorder]).fit()
+    assert recorder.seen == [
+        ("start", 0),
+        ("before", 1),
+        ("iteration", 1),
+        ("after", 1, False),
+        ("before", 2),
+        ("iteration", 2),
+        ("after", 2, True),
+        ("end", 2),
+    ]
+
+    class Fails(Recorder):
+        def after_iteration(self, trainer, step):
+            raise RuntimeError("stop here")
+
+    failing = Fails()
+    with pytest.raises(RuntimeError, match="stop here"):
+        Trainer(recipe, run_dir=tmp_path / "b", progress=False, callbacks=[failing]).fit()
+    assert failing.seen[-1] == ("end", 0)
