@@ -362,7 +362,7 @@ def test_expected_failure_under_torchrun_reaches_the_launchers_summary(tmp_path)
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc_per_node=2",
+        "--nproc_per_node=1",  # one rank is enough to see its line reach torchrun's summary
         "-m",
         "canntrain_core.cli",
         "train",
@@ -370,9 +370,9 @@ def test_expected_failure_under_torchrun_reaches_the_launchers_summary(tmp_path)
         "--run-dir",
         str(tmp_path / "run"),
         "--set",
-        "distributed.world_size=4",
+        "distributed.world_size=2",
         "--set",
-        "distributed.data_parallel_size=4",
+        "distributed.data_parallel_size=2",
     ]
     r = subprocess.run(
         cmd,
@@ -383,10 +383,8 @@ def test_expected_failure_under_torchrun_reaches_the_launchers_summary(tmp_path)
         env={**os.environ, "CANNTRAIN_DEVICE": "cpu", "OMP_NUM_THREADS": "1"},
     )
     assert r.returncode == 1, r.stdout + r.stderr  # torchrun's own code for a failed child
-    line = "canntrain train: distributed.world_size=4 but this job has 2 process(es) (WORLD_SIZE)"
+    line = "canntrain train: distributed.world_size=2 but this job has 1 process(es) (WORLD_SIZE)"
     summary = r.stderr[r.stderr.index("Root Cause") :]
     assert line in summary, r.stderr[-3000:]
-    # the rank exits with 2; on a loaded machine torchrun may stop it (SIGTERM) after it wrote its error file, as
-    # the other rank's failure comes first: the line reaches the summary either way
-    assert "exitcode  : 2" in summary or "(SIGTERM)" in summary, r.stderr[-3000:]
+    assert "exitcode  : 2" in summary, r.stderr[-3000:]  # the expected failure's code, as torchrun reports it
     assert not (tmp_path / "run").exists()

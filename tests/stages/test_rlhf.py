@@ -242,23 +242,15 @@ def test_dpo_moves_the_held_out_margins(start, tmp_path, data_cache):
     assert last["val_rewards/accuracies"] >= 0.62 and last["val_loss"] < math.log(2) - 0.03, last
 
 
-def test_canntrain_start_makes_what_the_tiny_recipes_read(start, tmp_path, data_cache):
+def test_canntrain_start_makes_what_the_tiny_recipes_read(start, tmp_path, data_cache, monkeypatch, capfd):
     """`canntrain start` puts the cached start where the shipped recipes look (cwd/runs): tiny_sft.yaml and
-    tiny_grpo.yaml then train as they are; a second call keeps what is there."""
-    import subprocess
-    import sys
+    tiny_grpo.yaml then train as they are; a second call keeps what is there. (The command line in this process,
+    from tmp_path as its working directory.)"""
+    from canntrain_core.cli import main
 
-    def canntrain(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "canntrain_core.cli", *args],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-
-    made = canntrain("start", "--cache", str(WORKDIR), "--configs", str(CONFIGS))  # the fixture's: nothing retrains
-    assert made.returncode == 0, made.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    assert main(["start", "--cache", str(WORKDIR), "--configs", str(CONFIGS)]) == 0, capfd.readouterr().err[-2000:]
     assert {p.name for p in (tmp_path / "runs").iterdir()} >= {
         "tiny_pretrained_hf",
         "tiny_sft_hf",
@@ -267,19 +259,9 @@ def test_canntrain_start_makes_what_the_tiny_recipes_read(start, tmp_path, data_
         "pairs.jsonl",
     }
     for recipe in ("tiny_sft.yaml", "tiny_grpo.yaml"):
-        run = canntrain(
-            "train",
-            str(CONFIGS / recipe),
-            "--no-progress",
-            "--run-dir",
-            f"runs/{recipe}",
-            "--set",
-            "optim.max_steps=1",
-            "--set",
-            "logging.eval_exact_match=8",
-            "--set",
-            f"data.cache_dir={data_cache}",
-        )
-        assert run.returncode == 0, run.stderr[-2000:]
-    again = canntrain("start", "--cache", str(WORKDIR), "--configs", str(CONFIGS))
-    assert again.returncode == 0 and again.stdout.count("exists, kept") == 5
+        args = ["train", str(CONFIGS / recipe), "--no-progress", "--run-dir", f"runs/{recipe}"]
+        args += ["--set", "optim.max_steps=1", "--set", "logging.eval_exact_match=8"]
+        assert main(args + ["--set", f"data.cache_dir={data_cache}"]) == 0, capfd.readouterr().err[-2000:]
+    capfd.readouterr()
+    assert main(["start", "--cache", str(WORKDIR), "--configs", str(CONFIGS)]) == 0
+    assert capfd.readouterr().out.count("exists, kept") == 5
