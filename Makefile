@@ -33,9 +33,11 @@ lint: $(STAMP)
 # Two workers (pytest-xdist), one torch thread each: on a 2-core machine the tiny models' steps gain little from
 # a second thread, while a second worker overlaps process start-up and imports. A file's tests stay on one worker
 # (its module's shared runs are built once); runs shared across files are cached under a lock (jobs/alignment_start).
+# The notebooks (the longest items, 20-60 s each) are collected first so that the many short test files fill the
+# two workers' ends instead of one notebook running alone at the end.
 WORKERS ?= 2
 test: $(STAMP) lint bytecode
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests cookbook --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest cookbook tests --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The project's bytecode, written once: the suite starts a few hundred Python processes (notebook kernels, torchrun
 # ranks, commands), and where PYTHONDONTWRITEBYTECODE is set each would otherwise compile canntrain from source.
