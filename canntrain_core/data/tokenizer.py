@@ -241,12 +241,15 @@ def check_agrees_with_transformers(d: Path, tok: Tokenizer) -> None:
         raise DataError(f"{d}: transformers' AutoTokenizer cannot load this tokenizer ({str(e)[:200]})") from None
     backend = getattr(theirs, "backend_tokenizer", None)
     ours, got = tok.encode(PROBE_TEXT).ids, theirs(PROBE_TEXT)["input_ids"]
+    theirs_split, ours_split = (
+        (_pieces(backend, PROBE_TEXT), _pieces(tok, PROBE_TEXT)) if backend is not None else ([], [])
+    )
     what = None
     if ours != got:
         at = next((i for i, (a, b) in enumerate(zip(ours, got)) if a != b), min(len(ours), len(got)))
         what = f"token {at} is {got[at : at + 1]} there and {ours[at : at + 1]} here"
-    elif backend is not None and _pieces(backend, PROBE_TEXT) != _pieces(tok, PROBE_TEXT):
-        a, b = _pieces(backend, PROBE_TEXT), _pieces(tok, PROBE_TEXT)
+    elif theirs_split != ours_split:
+        a, b = theirs_split, ours_split
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         what = f"it splits a probe text otherwise: {a[at : at + 2]} there, {b[at : at + 2]} here"
     if what:
