@@ -248,7 +248,9 @@ def _prepare_unit(out: Path, plan: Plan, u: int, tok: TrainedTokenizer, dtype, o
     final = shard_prefix(out, u)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp")
-    for p in (bin_path(tmp), idx_path(tmp), bin_path(final), idx_path(final)):
+    done_file = final.with_suffix(".json")
+    stray = final.parent.glob(f".{done_file.name}.*.tmp")  # a kill inside atomic_write_text of the .json
+    for p in (bin_path(tmp), idx_path(tmp), bin_path(final), idx_path(final), *stray):
         with contextlib.suppress(FileNotFoundError):
             p.unlink()  # what a killed run left of this unit
     bad = BadRecords(opts.on_bad_record)
@@ -286,7 +288,7 @@ def _prepare_unit(out: Path, plan: Plan, u: int, tok: TrainedTokenizer, dtype, o
         "bad_records": bad.count,
         "bad_record_examples": bad.examples,
     }
-    atomic_write_text(final.with_suffix(".json"), json.dumps(stats) + "\n")
+    atomic_write_text(done_file, json.dumps(stats) + "\n")
 
 
 def _encode(texts: list[str], tok: TrainedTokenizer, dtype, writer: ShardWriter) -> int:
