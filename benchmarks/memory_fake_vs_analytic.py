@@ -81,7 +81,12 @@ def layouts_70b() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for tp, pp in ((8, 2), (4, 4)):
         for rc in ("none", "selective", "full"):
-            e = estimate(shape, TrainSetup(micro_batch=1, seq_length=4096, tp=tp, pp=pp, grad_accum=8, recompute=rc))
+            e = estimate(
+                shape,
+                TrainSetup(
+                    micro_batch=1, seq_length=4096, tp=tp, pp=pp, grad_accum=8, recompute=rc, sequence_parallel=True
+                ),
+            )
             act = sum(e.categories[c] for c in ("activations", "autocast_weight_copies", "logits_loss"))
             st = e.states
             print(

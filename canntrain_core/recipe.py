@@ -513,11 +513,17 @@ class Recipe(_Section):
     def notes(self) -> tuple[str, ...]:
         return tuple(self._notes)
 
+    @property
+    def layout(self) -> Layout:
+        """The parallel layout: the one reading of ``distributed.*`` (and the keys that shape it) that the
+        validator, the estimator's setup, the device mesh and ``parallelize`` all take."""
+        return Layout.from_recipe(self)
+
     @model_validator(mode="after")
     def _layout(self) -> "Recipe":
-        from canntrain_core.sizing.layout import Layout, layout_problems
+        from canntrain_core.sizing.layout import layout_problems
 
-        problems = layout_problems(Layout.from_recipe(self))  # what needs no model; the trainer checks the rest
+        problems = layout_problems(self.layout)  # what needs no model; the trainer checks the rest
         if self.distributed.context_parallel_size > 1 and self.train_mode not in ("pretrain", "sft"):
             problems.append(
                 f"distributed.context_parallel_size > 1 splits the rows of pretraining and SFT; train_mode "

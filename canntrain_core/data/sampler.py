@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from canntrain_core.data.cache import DataError
@@ -211,7 +212,9 @@ def train_loader(dataset: Dataset, sampler: ResumableSampler, cfg) -> DataLoader
     """Every stage's training loader: ``data.batch_size`` rows at a time in ``sampler``'s order, forever, with
     ``data.num_workers`` worker processes (``data.persistent_workers``). The sampler is not advanced by
     iteration: the trainer calls ``sampler.advance(batch_size)`` after each consumed micro-batch, so a checkpoint
-    records what was trained on, not what was prefetched."""
+    records what was trained on, not what was prefetched. Each iterator draws its workers' base seed from a
+    generator of its own, not from torch's global one: a resumed run creates its iterator after restoring that state,
+    and the draw shifted LoRA's dropout masks from the uninterrupted run's."""
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
@@ -219,4 +222,5 @@ def train_loader(dataset: Dataset, sampler: ResumableSampler, cfg) -> DataLoader
         num_workers=cfg.num_workers,
         persistent_workers=cfg.persistent_workers,
         drop_last=True,
+        generator=torch.Generator().manual_seed(0),
     )

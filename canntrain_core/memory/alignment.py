@@ -13,8 +13,9 @@ stage one scalar-head model. A rank's peak is the largest of three phases:
   activations coexist), + the frozen models' parameters, for a mini-batch of ``rlhf.mini_batch_size``.
 
 Placement (``rlhf.device_placement``): ``shared`` keeps the frozen models in the trainer's processes,
-sharded like the actor (fp32 storage, as the trainer keeps every model); ``separated`` gives them
-``rlhf.scorer_ranks`` processes of their own, each holding whole copies in the compute precision.
+sharded like the actor; ``separated`` gives them ``rlhf.scorer_ranks`` processes of their own, each holding
+whole copies. Either way a frozen model is stored in the recipe's precision (2 bytes a parameter under bf16 or
+fp16: ``models.lifecycle.hold_frozen_in_16_bits``), the trained ones in fp32.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def estimate_alignment(recipe) -> AlignmentEstimate:
             frozen_there += b
             roles.append(Role(name, False, "scorer ranks", b))
         else:
-            b = 4 * sh.num_params() // shard
+            b = half * sh.num_params() // shard
             frozen_here += b
             roles.append(Role(name, False, "trained ranks", b))
     states = sum(r.states for r in roles if r.rank == "trained ranks")
@@ -113,7 +114,9 @@ def estimate_alignment(recipe) -> AlignmentEstimate:
             f"{recipe.model.precision}; {d.world_size} trained rank(s) hold actor and critic"
         )
     elif frozen_here:
-        notes.append("shared: the frozen models are sharded like the actor (fp32 storage) on every rank")
+        notes.append(
+            f"shared: the frozen models are sharded like the actor ({recipe.model.precision} storage) on every rank"
+        )
     return AlignmentEstimate(
         stage.train_modes[0],
         "separated" if separated else "shared",

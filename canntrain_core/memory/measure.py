@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from canntrain_core.sizing.setup import TrainSetup
 from canntrain_core.sizing.shapes import ModelShape, rebuild_recipe
@@ -113,8 +114,11 @@ def _check_supported(shape: ModelShape, s: TrainSetup) -> None:
         problems.append("a mixture of experts without 16-bit weights (measure it under FSDP2, zero=3, bf16)")
     if s.pp > 1 or s.ep > 1:
         problems.append("pipeline/expert parallel (pp, ep must be 1)")
-    if s.weights != "amp" or s.lora is not None or s.offload_optimizer:
-        problems.append("half weights, LoRA and offload")
+    if s.weights != "amp" or s.offload_optimizer:
+        problems.append("half weights and offload")
+    if s.lora is not None and s.world_size > 1:
+        # torch's MemTracker hooks the gradient of every parameter FSDP2 gathers, and a frozen one has none
+        problems.append("LoRA on more than one rank")
     if s.dp > 1 and s.zero == 0:
         problems.append("plain DDP over a fake group (use zero >= 1)")
     if problems:
@@ -129,7 +133,6 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
     fp32/bf16/fp16 autocast, and gradient accumulation. Raises NotImplementedError for what it does not cover.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from canntrain_core.models.lifecycle import build_meta_model, tie_head
     from canntrain_core.models.registry import build_config
@@ -139,6 +142,9 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
     _check_supported(shape, s)
     t0 = time.perf_counter()
     recipe = recipe_for(shape, s)
+    if s.lora is not None:  # set after validation, which asks for model.init_from: nothing here reads weights
+        recipe.lora.enabled, recipe.lora.rank = True, s.lora.rank
+        recipe.lora.target_modules, recipe.lora.dropout = list(s.lora.targets), s.lora.dropout
     with fake_world(s.world_size):
         dims = ParallelDims.from_recipe(recipe)
         # the trainer's own build and parallelize, stopped before anything is allocated
@@ -180,8 +186,7 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
             # as this rank's memory (5 GiB of "optimizer temporaries" for a vocabulary-sharded 152k head).
             # The optimizer states exist from here on, as in every step but a run's first.
             train_step()
-            tracker = MemTracker()
-            tracker.track_external(model, opt)
+            tracker = _tracker(model, opt)
             with tracker, warnings.catch_warnings():
                 # Under activation recompute a layer's forward runs again inside backward; the tracker
                 # sees a forward nested in backward and hooks of modules it no longer references, and
@@ -238,19 +243,12 @@ def measure_trainer_step(trainer) -> Measurement:
 
     The step changes the model (and the data position is not advanced): measure after training.
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     model, opt = trainer.model, trainer.optimizer
     loader = iter(trainer.data.train_loader())
     batches = [next(loader) for _ in range(trainer.recipe.optim.grad_accum_steps)]
     t0 = time.perf_counter()
-    tracker = MemTracker()
-    # The tracker hooks every parameter's gradient and fails on frozen ones (LoRA's base): it gets a
-    # placeholder instead, which the tracker's own clean-up removes like a hook.
-    for p in model.parameters():
-        if not p.requires_grad:
-            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-    tracker.track_external(model, opt)
+    tracker = _tracker(model, opt)
     with tracker, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
         warnings.filterwarnings("ignore", message="The module hierarchy tracking", category=UserWarning)
@@ -266,6 +264,17 @@ def measure_trainer_step(trainer) -> Measurement:
     return Measurement(
         _categorize(raw, params, grads, states), raw["Total"], time.perf_counter() - t0, model_states, raw
     )
+
+
+def _tracker(model, opt):
+    """torch's MemTracker over ``model`` and ``opt``. It hooks every parameter's gradient and fails on frozen ones
+    (a LoRA base): those get a placeholder instead, which the tracker's own clean-up removes like a hook."""
+    tracker = MemTracker()
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    tracker.track_external(model, opt)
+    return tracker
 
 
 class _NoHook:

@@ -5,6 +5,8 @@ benchmark builds a model for training through.
    only: any size, no memory);
 2. route it through the recipe's kernels and wrap it as a CausalLM (the loss inside the root module);
 3. ``parallelize``: pipeline split, tensor parallel, recompute, compile, FSDP2 / DDP, still on meta;
+   A weight that never trains (a LoRA base, a reference or reward model) is held in the recipe's 16-bit
+   dtype from here on (:func:`hold_frozen_in_16_bits`), so it is sharded, stored and computed in 16 bits;
 4. ``to_empty`` on the target device: each rank allocates only the shards it holds; a tied output
    head (``tie_word_embeddings``) is tied back to the embedding (``to_empty`` gives each module a
    tensor of its own), so the two stay one parameter through training, checkpoints and export;
@@ -29,6 +31,7 @@ from canntrain_core.models.init import init_weights, reset_buffers
 from canntrain_core.models.lm import CausalLM
 from canntrain_core.models.lora import apply_lora, has_adapters, is_adapter
 from canntrain_core.parallel import parallelize
+from canntrain_core.runtime.accelerator import HALF_DTYPES
 from canntrain_kernels.reference import plain_cross_entropy
 
 
@@ -71,9 +74,32 @@ def build_meta_model(
     if head == "scalar":
         with torch.device("meta"):
             model.lm_head = torch.nn.Linear(config.hidden_size, 1, bias=False)
+    if not trainable:
+        model.requires_grad_(False)
+    hold_frozen_in_16_bits(model, m.precision)
     ring_block = ring_block_kernel(m, device.type) if dims.cp > 1 else None
     schedule = parallelize(model, mesh, dims, recipe, device, trainable, ring_block)
     return model, schedule
+
+
+def hold_frozen_in_16_bits(model: torch.nn.Module, precision: str) -> int:
+    """Cast every parameter that does not train to ``precision``'s 16-bit dtype (bf16, fp16; fp32 changes
+    nothing); returns how many elements were cast.
+
+    A frozen weight needs no fp32 master (no optimizer updates it) and, already 16-bit, no copy made by autocast
+    for each matmul: a 7B LoRA base holds 2 bytes per parameter instead of 4 + 2, as peft, torchtune and
+    LLaMA-Factory users load it. What trains (adapters, a scalar head) stays fp32 with fp32 AdamW states, and the
+    forward runs under autocast as before. Done on ``meta``, before sharding, so FSDP2 and TP shard 16-bit
+    tensors."""
+    dtype = HALF_DTYPES.get(precision)
+    if dtype is None:
+        return 0
+    cast = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            cast += p.numel()
+    return cast
 
 
 def tie_head(model: CausalLM, config) -> None:
@@ -129,6 +155,6 @@ def build_frozen_model(
     recipe, config, device: torch.device, mesh=None, dims=None, fill: bool = True, head: str = "lm"
 ) -> CausalLM:
     """A model that only runs (DPO's and GRPO's reference, PPO's reference and reward model): laid out as the
-    trained one, without gradients, in eval mode; ``fill`` and ``head`` as for :func:`build_training_model`."""
-    model = build_training_model(recipe, config, device, mesh, dims, fill, head, trainable=False).model
-    return model.requires_grad_(False).eval()
+    trained one, without gradients, in the recipe's 16-bit precision when it has one, in eval mode; ``fill`` and
+    ``head`` as for :func:`build_training_model`."""
+    return build_training_model(recipe, config, device, mesh, dims, fill, head, trainable=False).model.eval()

@@ -15,7 +15,6 @@ from canntrain_core.parallel.expert import route_experts
 from canntrain_core.parallel.pp import build_schedule, split_stage
 from canntrain_core.parallel.recompute import apply_recompute
 from canntrain_core.parallel.tp import apply_tp
-from canntrain_core.sizing.layout import Layout
 from canntrain_kernels.block_attention import BlockAttention, eager_block_attention
 
 
@@ -24,11 +23,14 @@ def parallelize(
 ):
     """``trainable=False``: a frozen model (a reference, a reward model) is sharded like the trained one but
     never wrapped by DDP, which has no gradient to synchronise and refuses a module without one. ``ring_block``:
-    the kernel registry's ``attention_block`` the recipe selects for context parallel's ring (default: eager)."""
+    the kernel registry's ``attention_block`` the recipe selects for context parallel's ring (default: eager).
+    The parallel settings come from ``recipe.layout`` (the validator's and the estimator's reading too); the
+    model's own (recompute, compile, expert capacity) from ``recipe.model``."""
+    layout = recipe.layout
     if dims.pp > 1:
         split_stage(model, mesh.get_local_rank("pp"), dims.pp)
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"], recipe.distributed.sequence_parallel, recipe.distributed.vocab_parallel)
+        apply_tp(model, mesh["tp"], layout.sequence_parallel, layout.vocab_parallel)
     if dims.ep > 1 or recipe.model.expert_capacity_factor is not None:
         route_experts(model, mesh["ep"] if dims.ep > 1 else None, recipe.model.expert_capacity_factor)
     if dims.cp > 1:
@@ -41,15 +43,14 @@ def parallelize(
         apply_fsdp(
             model,
             dims.shard_mesh(mesh),
-            recipe.distributed.zero_optimization,
-            recipe.model.precision,
-            recipe.optim.offload_optimizer,
+            layout.zero,
+            layout.precision,
+            layout.offload_optimizer,
             pipeline=dims.pp > 1,
             expert_mesh=mesh["dp_shard_mod_ep"] if dims.ep > 1 else None,
         )
     elif dims.dp_replicate > 1 and trainable:
         apply_ddp(model, mesh["dp_replicate"])
     if dims.pp > 1:
-        micro = Layout.from_recipe(recipe).microbatches
-        return build_schedule(model, mesh["pp"], device, recipe.distributed.pipeline_schedule, micro)
+        return build_schedule(model, mesh["pp"], device, layout.pipeline_schedule, layout.microbatches)
     return None

@@ -27,8 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from canntrain_core.parallel.expert import experts_of
-
-_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from canntrain_core.runtime.accelerator import HALF_DTYPES
 
 
 def apply_fsdp(
@@ -46,8 +45,8 @@ def apply_fsdp(
     kwargs = {
         "mesh": dp_mesh,
         "reshard_after_forward": reshard,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=_HALF[precision], reduce_dtype=torch.float32)
-        if precision in _HALF
+        "mp_policy": MixedPrecisionPolicy(param_dtype=HALF_DTYPES[precision], reduce_dtype=torch.float32)
+        if precision in HALF_DTYPES
         else MixedPrecisionPolicy(),
         # pinned host memory only pays (and only exists) with an accelerator to copy to
         "offload_policy": CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if offload else OffloadPolicy(),

@@ -25,7 +25,8 @@ import torch
 
 from canntrain_kernels.device import device_type
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # model.precision's 16-bit dtypes
+_DTYPES = {**HALF_DTYPES, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ class ParallelDims:
 
     @classmethod
     def from_layout(cls, layout: Layout) -> "ParallelDims":
-        """The mesh of ``layout`` (``Layout.from_recipe``: the one reading of a recipe's sizes): data parallel
+        """The mesh of ``layout`` (``Recipe.layout``: the one reading of a recipe's sizes): data parallel
         is FSDP2's ``dp_shard`` or DDP's ``dp_replicate``, as ``Layout.dp_shard`` says."""
         return cls(
             pp=layout.pp,
@@ -46,7 +46,7 @@ class ParallelDims:
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> "ParallelDims":
-        return cls.from_layout(Layout.from_recipe(recipe))
+        return cls.from_layout(recipe.layout)
 
     @property
     def world_size(self) -> int:

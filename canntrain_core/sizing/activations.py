@@ -45,7 +45,7 @@ def _per_token(shape: ModelShape, setup: TrainSetup) -> tuple[float, float, floa
     """(replicated, tp-sharded, MLP) bytes per token of one block, before recompute. The MLP's are split over tp
     with the attention's, except a mixture of experts' (its block runs whole on every tp rank)."""
     h, i, kv, a = shape.hidden_size, shape.intermediate_size, shape.kv_size, shape.num_heads
-    half = setup.precision != "fp32" and setup.weights == "amp"
+    half = setup.precision != "fp32" and not setup.weights_16bit  # autocast over fp32 weights
     if shape.kind == "gpt":  # LayerNorm keeps mean and rstd; GELU keeps its input; no gate
         mlp_fp32, mlp_half = 8 * i, 4 * i + 2 * i  # fc out, gelu out ; half: + cast of proj input
     else:
@@ -98,7 +98,7 @@ def layer_activations(shape: ModelShape, setup: TrainSetup, recompute: str | Non
     tp = setup.tp
     h = shape.hidden_size
     if recompute == "full":  # only the block input (fp32 residual stream, or 16-bit weights mode)
-        width = 2 if (setup.precision != "fp32" and setup.weights == "half") else 4
+        width = 2 if setup.weights_16bit else 4
         per_tok = width * h / (tp if setup.sequence_parallel else 1)
         return LayerActivations(int(tokens * per_tok), 0)
     replicated, sharded, mlp = _per_token(shape, setup)
@@ -107,7 +107,7 @@ def layer_activations(shape: ModelShape, setup: TrainSetup, recompute: str | Non
         sharded, mlp = sharded - attention_saving, mlp - mlp_saving
     per_tok = replicated / (tp if setup.sequence_parallel else 1) + sharded / tp + mlp / shape.mlp_tp(tp)
     copies = 0
-    if setup.precision != "fp32" and setup.weights == "amp":
+    if setup.precision != "fp32" and not setup.weights_16bit:
         copies = 2 * shape.elements_per_rank(shape.local_matrices(setup.ep), tp)  # a MoE: local experts only
     return LayerActivations(int(tokens * per_tok), copies)
 

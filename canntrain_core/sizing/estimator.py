@@ -183,6 +183,8 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     elems_at_rest += pad
     trainable += pad
     params = p_b * elems_at_rest // div_p
+    if s.lora is not None:  # the frozen base in 16 bits under bf16/fp16 (else fp32), the adapters in fp32
+        params = ((2 if s.weights_16bit else p_b) * elems_at_rest + 4 * trainable) // div_p
     gathered = c_b * elems if keeps_gathered else 0  # only between forward and the last backward
     grads = g_b * trainable // div_g
     opt = o_b * trainable // div_o
@@ -207,6 +209,8 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     tokens = s.micro_batch * s.seq_length // s.cp
     acts_mb = st.layers * la.tensors
     copies_mb = st.layers * la.weight_copies
+    if s.lora is not None and s.precision != "fp32":
+        copies_mb += 2 * trainable  # autocast's 16-bit copies of the fp32 adapters (the base is 16-bit already)
     sp = tp if s.sequence_parallel else 1
     if st.embedding:
         acts_mb += 8 * tokens + 8 * s.seq_length // s.cp * shape.head_dim  # ids, rope cos/sin
@@ -217,7 +221,7 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     logits_saved = logits_peak = 0
     if st.head:
         vloc = V // vtp
-        amp = s.precision != "fp32" and s.weights == "amp"
+        amp = s.precision != "fp32" and not s.weights_16bit
         logits_saved = 4 * tokens * vloc + (2 * tokens * h // sp if amp else 0)
         logits_peak = logits_saved + 8 * tokens * vloc  # backward: grad of log_softmax out and of its input
         if amp:
@@ -294,6 +298,11 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
         notes.append(
             "FSDP2 mixed precision: sharded fp32 masters (4 B) + grads (4 B) + AdamW m, v (8 B) = 16 B "
             "per parameter / shards, plus bf16 copies of what is gathered"
+        )
+    elif s.lora is not None and s.precision != "fp32":
+        notes.append(
+            f"LoRA: the frozen base in {s.precision} (2 B per parameter, no autocast copy); the adapters fp32 with "
+            "fp32 grads and AdamW m, v (16 B per adapter parameter)"
         )
     elif not half_w and s.precision != "fp32":
         notes.append("amp: fp32 weights (4 B) + fp32 grads (4 B) + AdamW m, v (8 B) = 16 B per parameter")

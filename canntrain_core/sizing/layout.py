@@ -22,6 +22,7 @@ class Layout:
     sequence_parallel: bool = False
     vocab_parallel: bool = False  # with tp > 1: embedding, head and loss split over the vocabulary
     microbatches: int = 1  # per optimizer step: what a pipeline schedule splits the batch into
+    pipeline_schedule: str = "1f1b"
     offload_optimizer: bool = False
     precision: str = "fp32"
     packing: bool = False  # packed instruction rows carry a block-diagonal mask
@@ -42,6 +43,7 @@ class Layout:
             sequence_parallel=d.sequence_parallel,
             vocab_parallel=d.tensor_parallel_size > 1 and d.vocab_parallel,
             microbatches=d.num_microbatches or recipe.optim.grad_accum_steps,
+            pipeline_schedule=d.pipeline_schedule,
             offload_optimizer=recipe.optim.offload_optimizer,
             precision=recipe.model.precision,
             packing=recipe.data.packing,  # an SFT key: the schema refuses it elsewhere
@@ -63,6 +65,7 @@ class Layout:
             sequence_parallel=s.tp > 1 and s.sequence_parallel,
             vocab_parallel=s.tp > 1 and s.vocab_parallel,
             microbatches=s.microbatches,
+            pipeline_schedule=s.pipeline_schedule,
             offload_optimizer=s.offload_optimizer,
             precision=s.precision,
             seq_length=s.seq_length,
@@ -244,8 +247,6 @@ def check_layout(recipe: Any, model: Any = None, devices_per_node: int | None = 
 
     if model is not None and not isinstance(model, ModelShape):
         model = shape_of(model)
-    problems = layout_problems(
-        Layout.from_recipe(recipe), model, devices_per_node, recipe.distributed.allow_cross_node_tp
-    )
+    problems = layout_problems(recipe.layout, model, devices_per_node, recipe.distributed.allow_cross_node_tp)
     if problems:
         raise RecipeError("invalid parallel layout:\n  " + "\n  ".join(problems))

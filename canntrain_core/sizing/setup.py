@@ -2,7 +2,8 @@
 
 :class:`TrainSetup` is built from a recipe (:func:`setup_from_recipe`) or by hand (the model's shape, the other
 half of an estimate, comes from ``memory.recipe_shape.shape_from_recipe`` or ``sizing.shapes``). Built from a
-recipe, it carries the recipe's sequence parallel, LoRA and offload settings; built by hand, its defaults are what
+recipe, it carries the recipe's sequence parallel, LoRA and offload settings; built by hand, its defaults are the
+recipe's (sequence parallel off, vocabulary parallel on) and what
 canntrain's trainer does (flash attention, the optimizer's foreach mode), and the planner varies the rest.
 """
 
@@ -23,6 +24,7 @@ class LoraSetup:
 
     rank: int = 16
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    dropout: float = 0.05  # on the adapters' input (peft's lora_dropout): a mask and a copy of it kept for backward
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class TrainSetup:
     grad_accum: int = 1
     num_microbatches: int | None = None  # pipeline micro-batches per step; None: grad_accum
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    sequence_parallel: bool = True  # with tp > 1, norms/residuals are split over tp as well
+    sequence_parallel: bool = False  # with tp > 1, norms/residuals split over tp as well (the recipe's default: off)
     vocab_parallel: bool = True  # with tp > 1, embedding and output projection split over tp too
     flash_attention: bool = True  # no a*s^2 score matrix kept (sdpa / FlashAttention)
     # "amp": fp32 weights, autocast casts to bf16/fp16 per op (what canntrain's trainer does).
@@ -78,6 +80,13 @@ class TrainSetup:
         return self.layout.world_size
 
     @property
+    def weights_16bit(self) -> bool:
+        """Whether the weights the forward reads are stored in 16 bits (no autocast copy, a 16-bit residual
+        stream): ``weights="half"``, or a LoRA base under bf16/fp16, which the trainer holds in 16 bits (it is
+        frozen: ``models.lifecycle.hold_frozen_in_16_bits``)."""
+        return self.precision != "fp32" and (self.weights == "half" or self.lora is not None)
+
+    @property
     def fsdp(self) -> bool:
         """Data parallel by FSDP2: ZeRO 1-3 over more than one data (and context) parallel rank."""
         return self.zero >= 1 and self.dp * self.cp > 1
@@ -103,7 +112,7 @@ class TrainSetup:
 def setup_from_recipe(recipe: Any, **extra: Any) -> TrainSetup:
     """The TrainSetup of a validated :class:`canntrain_core.recipe.Recipe`; ``extra`` sets the other knobs.
     The parallel sizes are the recipe's :class:`~canntrain_core.sizing.layout.Layout`."""
-    d, m, L = recipe.distributed, recipe.model, Layout.from_recipe(recipe)
+    m, L = recipe.model, recipe.layout
     fields: dict[str, Any] = dict(
         precision=m.precision,
         micro_batch=recipe.data.batch_size,
@@ -117,12 +126,14 @@ def setup_from_recipe(recipe: Any, **extra: Any) -> TrainSetup:
         recompute=m.activation_checkpointing,
         offload_optimizer=L.offload_optimizer,
         grad_accum=recipe.optim.grad_accum_steps,
-        num_microbatches=d.num_microbatches,
-        pipeline_schedule=d.pipeline_schedule,
+        num_microbatches=L.microbatches,
+        pipeline_schedule=L.pipeline_schedule,
         # What the trainer does: SP and vocabulary parallel as the recipe says.
         sequence_parallel=L.sequence_parallel,
         vocab_parallel=L.vocab_parallel,
-        lora=LoraSetup(recipe.lora.rank, tuple(recipe.lora.target_modules)) if recipe.lora.enabled else None,
+        lora=LoraSetup(recipe.lora.rank, tuple(recipe.lora.target_modules), recipe.lora.dropout)
+        if recipe.lora.enabled
+        else None,
     )
     fields.update(extra)
     return TrainSetup(**fields)

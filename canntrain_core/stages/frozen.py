@@ -57,11 +57,9 @@ class FrozenModels:
         self.reference, self.reward_model, self.temperature = reference, reward_model, temperature
 
     @classmethod
-    def build(
-        cls, recipe, config, device, mesh=None, dims=None, cast: bool = False, reward_ckpt=None
-    ) -> "FrozenModels":
-        """The frozen models of ``recipe``, laid out by ``mesh``/``dims`` (shared placement: as the actor);
-        ``cast``: stored in the recipe's 16-bit precision (a scorer rank's whole copies; they never train);
+    def build(cls, recipe, config, device, mesh=None, dims=None, reward_ckpt=None) -> "FrozenModels":
+        """The frozen models of ``recipe``, laid out by ``mesh``/``dims`` (shared placement: as the actor), held in
+        the recipe's 16-bit precision when it has one (they never train: ``build_frozen_model``);
         ``reward_ckpt``: :func:`reward_checkpoint` of ``rlhf.reward_model``, already verified."""
         from canntrain_core.checkpoint.dcp import load_model_weights
         from canntrain_core.models.lifecycle import build_frozen_model
@@ -73,11 +71,6 @@ class FrozenModels:
         if h.reward_model:
             reward = build_frozen_model(recipe, config, device, mesh, dims, fill=False, head="scalar")
             load_model_weights(reward_ckpt or reward_checkpoint(h.reward_model), reward, verify=reward_ckpt is None)
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.model.precision)
-        for m in (reference, reward):
-            if m is not None:
-                if cast and half is not None:
-                    m.to(half)
         return cls(reference, reward, h.temperature)
 
     @torch.no_grad()

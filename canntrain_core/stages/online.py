@@ -81,7 +81,7 @@ class OnlineTrainer(Trainer):
         return {**(record or (self._averaged(raw) if found else {})), **found}
 
     def _logged(self, raw: dict) -> dict:
-        return {**self._averaged(raw), **self.health.take(self.window.steps, self.interval_step_time())}
+        return {**self._averaged(raw), **self.health.take(*self.throughput.take())}
 
     def postfix(self, raw: dict, record: dict) -> dict:
         return {"score": f"{raw['true_score/mean']:.3f}"}

@@ -232,7 +232,7 @@ class ScorerService:
         seed_everything(recipe.experiment.seed)
         config = model_config(recipe.model, recipe.data.tokenizer.vocab_size)
         single = ParallelDims(1, 1, 1, 1, 1)
-        self.frozen = FrozenModels.build(recipe, config, self.acc.device, None, single, cast=True)
+        self.frozen = FrozenModels.build(recipe, config, self.acc.device, None, single)
         n, k = recipe.distributed.world_size, recipe.rlhf.scorer_ranks
         self.clients = [a for a in range(n) if n + a % k == self.rank]
 

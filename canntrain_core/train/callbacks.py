@@ -3,12 +3,17 @@
 ``Trainer.fit`` calls each of ``Trainer.callbacks`` at five points: ``on_fit_start`` once, ``before_step`` before a
 step's batch is fetched, ``after_iteration`` right after the stage's ``train_iteration`` (before the schedule steps),
 ``after_step`` once the step's row is made (and evaluated), ``on_fit_end`` once in reverse order, however the loop
-ended. The engine's own are below (the memory budget, the profiler's trace window, the progress display); a user's
+ended. The engine's own are below (the memory budget, the throughput clock, the profiler's trace window, the
+progress display); a user's
 are passed as ``Trainer(..., callbacks=[...])`` and run after them. Metrics sinks (TensorBoard, a notebook's live
 curves) hang on the metrics log instead: they see every row, whoever writes it.
 """
 
 from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
 
 from canntrain_core.train.progress import progress_bar
 from canntrain_core.train.timing import TraceWindow
@@ -41,6 +46,37 @@ class MemoryBudget(Callback):
 
     def on_fit_end(self, trainer) -> None:
         trainer.release_memory()
+
+
+class Throughput(Callback):
+    """The logging interval being timed: its steps counted, evaluation and checkpoints paused off its clock;
+    ``take`` (when a row is logged) reads it and starts the next. An evaluation alone does not end one."""
+
+    def __init__(self) -> None:
+        self._restart()
+
+    def _restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def on_fit_start(self, trainer) -> None:
+        self._restart()
+
+    def after_iteration(self, trainer, step: int) -> None:
+        self.steps += 1
+
+    def take(self) -> tuple[int, float]:
+        """The interval's steps and seconds per step; the next interval starts now."""
+        steps, per_step = self.steps, (time.perf_counter() - self.start) / max(self.steps, 1)
+        self._restart()
+        return steps, per_step
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - started
 
 
 class Trace(Callback):
@@ -76,6 +112,6 @@ class Progress(Callback):
         self.bar.close()
 
 
-def engine_callbacks() -> list[Callback]:
-    """The engine's own, in the order they start."""
-    return [MemoryBudget(), Trace(), Progress()]
+def engine_callbacks(trainer) -> list[Callback]:
+    """The engine's own, in the order they start (the trainer's ``throughput`` is read by its ``log_record``)."""
+    return [MemoryBudget(), trainer.throughput, Trace(), Progress()]

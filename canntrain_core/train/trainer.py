@@ -46,10 +46,10 @@ from canntrain_core.runtime.distributed import (
     rank,
 )
 from canntrain_core.runtime.log import get_logger
-from canntrain_core.train.callbacks import engine_callbacks
+from canntrain_core.train.callbacks import Throughput, engine_callbacks
 from canntrain_core.runtime.environment import check_ranks_agree, check_target_device
 from canntrain_core.runtime.watchdog import Whereabouts, describe_failure, is_collective_failure
-from canntrain_core.sizing.layout import Layout, check_layout
+from canntrain_core.sizing.layout import check_layout
 from canntrain_core.sizing.oom import oom_hint
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
 from canntrain_core.train.optim import build_optimizer, build_scheduler
@@ -87,18 +87,6 @@ def _is_oom(e: BaseException) -> bool:
     # "can't allocate memory" (and Python a MemoryError) past a data size limit (distributed.memory_budget_gb).
     text = str(e).lower()
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text or "allocate memory" in text
-
-
-@dataclass
-class Interval:
-    """The logging interval being timed for throughput: when it started (evaluation and checkpoint time added back
-    by ``Trainer.paused``) and how many steps it has run."""
-
-    start: float = field(default_factory=time.perf_counter)
-    steps: int = 0
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start
 
 
 @dataclass
@@ -219,6 +207,7 @@ class Trainer:
         self.expert_tokens: torch.Tensor | None = None  # and its routed tokens per layer and expert since the last log
         self.dropped_tokens: torch.Tensor | None = None  # and per layer those over capacity (expert_capacity_factor)
         self.health = Health(r, self.rank, self.acc.synchronize)  # NaN/inf and spikes, the step's time breakdown
+        self.throughput = Throughput()  # the logging interval's clock (a callback of the loop)
         self.timer = self.health.timer  # where a step's time goes (every stage times its phases with it)
         self.real_tokens = 0  # instruction rows: this rank's input tokens that were not padding, since the last log
         # an adapted model (LoRA) checkpoints its adapters only; they name the base they adapt
@@ -240,7 +229,7 @@ class Trainer:
                 + (f"; chat template: {self.data.info['chat_template']}" if "chat_template" in self.data.info else "")
             )
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        self.microbatches = Layout.from_recipe(r).microbatches  # what the pipeline schedule splits a step into
+        self.microbatches = r.layout.microbatches  # what the pipeline schedule splits a step into
         self.has_loss = self.dims.pp == 1 or self.mesh.get_local_rank("pp") == self.dims.pp - 1
         self.optimizer = build_optimizer(self.model, r.optim)
         self.scheduler = build_scheduler(self.optimizer, r.optim)
@@ -358,9 +347,8 @@ class Trainer:
         batches = self.batches()
         if self.step == 0:
             self._write({"step": 0, **self.evaluate()})
-        callbacks = engine_callbacks() + self.callbacks
+        callbacks = engine_callbacks(self) + self.callbacks
         self.acc.reset_peak_memory()
-        self.window = Interval()  # throughput: the interval being timed
         try:
             for cb in callbacks:
                 cb.on_fit_start(self)
@@ -381,9 +369,8 @@ class Trainer:
                     cb.after_iteration(self, self.step + 1)
                 self.scheduler.step()
                 self.step += 1
-                self.window.steps += 1
                 last = self.step == r.optim.max_steps
-                record = logged = self.log_record(raw, last)
+                record = self.log_record(raw, last)
                 if self.step % r.logging.eval_interval == 0 or last:
                     self.where.post(self.step, "evaluate")
                     with self.paused():
@@ -400,8 +387,6 @@ class Trainer:
                         self.health.checkpoint_seconds = time.perf_counter() - started
                 if self.step == stop_after:
                     break
-                if logged:  # the next interval's clock (and breakdown) starts; an evaluation alone does not end one
-                    self.window = Interval()
         except BaseException as e:  # a save's collectives fail inside torch's CheckpointException, a BaseException
             if not is_collective_failure(e):
                 raise
@@ -416,18 +401,9 @@ class Trainer:
             self.close()
         return self.result()  # plots are drawn from metrics.jsonl by the CLI and the notebooks
 
-    def interval_step_time(self) -> float:
-        """Seconds per step since the interval being logged started (evaluation and checkpoints taken off)."""
-        return self.window.seconds() / self.window.steps
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager:
         """Evaluation and checkpoints are not training throughput: their time is taken off the interval's clock."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.window.start += time.perf_counter() - start
+        return self.throughput.paused()
 
     # ------------------------------------------------------------------ a stage's step (pretraining's here)
     def batches(self) -> Iterator:
@@ -480,7 +456,7 @@ class Trainer:
         if not (self.step % r.logging.log_interval == 0 or last):
             return {}
         acc.synchronize()
-        dt = self.interval_step_time()
+        steps, dt = self.throughput.take()
         # Tokens this device trains on per step: its data-parallel share, split over tp/pp/cp.
         tokens = r.data.batch_size * r.data.seq_length * r.optim.grad_accum_steps / self.dims.non_data_parallel
         flops = flops_per_token(self.model_config, r.data.seq_length) * tokens
@@ -497,7 +473,7 @@ class Trainer:
         if self.aux_loss is not None:  # MoE: "loss" holds router_aux_loss_coef x it, as transformers' loss does
             record["aux_loss"] = self._mean_over_ranks(self.aux_loss)
             record.update(self._expert_balance())
-        record.update(self.health.take(self.window.steps, record["step_time"]))
+        record.update(self.health.take(steps, dt))
         if len(getattr(self.data, "names", ())) > 1:  # a mixture: what was drawn from each source so far
             record.update(drawn_per_source(self.data))
         if "padding_fraction" in self.data.info:  # instruction rows: the interval's tokens that were not padding
@@ -505,7 +481,7 @@ class Trainer:
                 self._sum_over_dp(torch.tensor(float(self.real_tokens), device=self.acc.device), everywhere=True)
                 / self.dims.dp
             )
-            record["real_tokens_per_second"] = real / self.dims.non_data_parallel / (dt * self.window.steps)
+            record["real_tokens_per_second"] = real / self.dims.non_data_parallel / (dt * steps)
             self.real_tokens = 0
         return record
 

@@ -46,7 +46,7 @@ def test_layer_activations_hand_computed():
 def test_tensor_parallel_with_sequence_parallel_divides_activations():
     shape = shape_from_preset("llama2-7b")
     s = TrainSetup(micro_batch=1, seq_length=4096)
-    one, two = layer_activations(shape, s), layer_activations(shape, s.but(tp=2, dp=1))
+    one, two = layer_activations(shape, s), layer_activations(shape, s.but(tp=2, dp=1, sequence_parallel=True))
     assert two.tensors == one.tensors // 2
     no_sp = layer_activations(shape, s.but(tp=2, sequence_parallel=False))
     assert no_sp.tensors > two.tensors

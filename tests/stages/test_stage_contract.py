@@ -133,6 +133,11 @@ def test_a_stage_trains_in_16_bit(mode, precision, inputs, data_cache, tmp_path)
     losses = [v for r in rows for k, v in r.items() if k in ("loss", "actor/pg_loss") and isinstance(v, float)]
     assert losses and all(math.isfinite(v) for v in losses), rows
     assert trainer.scaler.is_enabled() == (precision == "fp16")
+    # a model that never trains (a reference, a reward model) is held in the 16-bit dtype; what trains stays fp32
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    for name, model in trainer.models().items():
+        dtypes = {p.dtype for p in model.parameters()}
+        assert dtypes == ({torch.float32} if any(p.requires_grad for p in model.parameters()) else {half}), name
     if precision == "fp16":
         assert trainer.scaler.get_scale() > 0  # the scaler ran: unscale_ found a scale
 
