@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from canntrain_core.errors import RecipeError
 from canntrain_core.recipe_file import read_recipe_file
 from canntrain_core.families import FAMILIES, PRESET_FAMILY
-from canntrain_core.sizing.layout import Layout
+from canntrain_core.sizing.devices import DEVICES
+from canntrain_core.sizing.layout import Layout, layout_problems
 from canntrain_core.sizing.presets import PRESETS
 
 
@@ -322,8 +323,6 @@ class DistributedConfig(_Section):
     @field_validator("target_device")
     @classmethod
     def _known_device(cls, v: str | None) -> str | None:
-        from canntrain_core.sizing.devices import DEVICES
-
         if v is not None and v.lower() not in DEVICES:
             raise ValueError(f"unknown device {v!r}; presets: {', '.join(DEVICES)}")
         return v
@@ -521,8 +520,6 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _layout(self) -> "Recipe":
-        from canntrain_core.sizing.layout import layout_problems
-
         problems = layout_problems(self.layout)  # what needs no model; the trainer checks the rest
         if self.distributed.context_parallel_size > 1 and self.train_mode not in ("pretrain", "sft"):
             problems.append(

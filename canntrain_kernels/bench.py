@@ -16,6 +16,7 @@ from canntrain_kernels import registry
 from canntrain_kernels.cases import make_case, parse_dtype, parse_shape
 from canntrain_kernels.numerics import time_ms
 from canntrain_kernels.memory import peak_bytes
+from canntrain_kernels.reference import cross_entropy, plain_cross_entropy
 
 
 def backend_speed(
@@ -65,8 +66,6 @@ def cross_entropy_peak(
     device: str | None = None,
 ) -> dict:
     """Peak bytes of forward+backward of the plain and the chunked cross-entropy on the same inputs."""
-    from canntrain_kernels.reference import cross_entropy, plain_cross_entropy
-
     device = device or registry.current_device()
     shape = parse_shape(f"small:batch=1:seq={n}:hidden={hidden}:vocab={vocab}")
     h, w, t = make_case("cross_entropy", shape, parse_dtype(dtype), device).args

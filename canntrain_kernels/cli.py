@@ -8,6 +8,7 @@ import sys
 
 from canntrain_kernels import registry
 from canntrain_kernels.cases import SHAPES
+from canntrain_kernels.check import failed, format_table, run_check
 
 
 def _csv(value: str) -> list[str]:
@@ -43,8 +44,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from canntrain_kernels.check import failed, format_table, run_check
-
     try:
         records = run_check(
             ops=args.ops,

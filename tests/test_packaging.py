@@ -1,6 +1,9 @@
-"""Packaging promises: conda and pip agree, and our kernels package does not shadow the hub `kernels`."""
+"""Packaging promises: conda and pip agree, our kernels package does not shadow the hub `kernels`, and library code
+imports at the top (or says why not)."""
 
+import ast
 import re
+import tokenize
 import tomllib
 from pathlib import Path
 
@@ -44,8 +47,6 @@ def test_our_kernels_package_does_not_shadow_the_hub_kernels_package():
 
 def test_no_module_imports_another_modules_private_names():
     """A name with a leading underscore belongs to its module (import-linter cannot say so; this does)."""
-    import ast
-
     found = []
     for package in ("canntrain_core", "canntrain_kernels"):
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -56,3 +57,30 @@ def test_no_module_imports_another_modules_private_names():
                     private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                     found += [f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{n}" for n in private]
     assert not found, found
+
+
+def test_function_level_imports_say_why_they_are_deferred():
+    """Library code imports at the top; an import inside a function is there for start-up time (``canntrain --help``
+    imports every command's module), an optional dependency, or an import cycle, and says which in a ``# deferred:``
+    comment on its line or just above its run of consecutive imports."""
+    found = []
+    for package in ("canntrain_core", "canntrain_kernels"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            with tokenize.open(path) as f:
+                comments = {
+                    t.start[0]: t.string for t in tokenize.generate_tokens(f.readline) if t.type == tokenize.COMMENT
+                }
+            tree = ast.parse(path.read_text(), str(path))
+            imports = set()
+            for fn in ast.walk(tree):
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    imports |= {n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+            import_lines = {line for n in imports for line in range(n.lineno, n.end_lineno + 1)}
+            for node in sorted(imports, key=lambda n: n.lineno):
+                own = any("# deferred:" in comments.get(i, "") for i in range(node.lineno, node.end_lineno + 1))
+                above = node.lineno - 1
+                while above in import_lines:  # the run of consecutive imports this one ends
+                    above -= 1
+                if not own and not comments.get(above, "").startswith("# deferred:"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "function-level imports without a '# deferred: <why>' comment:\n" + "\n".join(found)

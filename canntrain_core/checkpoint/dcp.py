@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -134,8 +135,6 @@ def single_process_ok():
 
 def _options(trainable_only: bool):
     """State-dict options: everything, or (LoRA) only the parameters that train."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
 
 

@@ -26,13 +26,23 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import GenerationConfig
 
 from canntrain_core.checkpoint.dcp import CheckpointError, latest_checkpoint, single_process_ok, verify_checkpoint
 from canntrain_core.data.cache import DataError
 from canntrain_core.data.tokenizer import check_agrees_with_transformers
 from canntrain_core.errors import BadInput
+from canntrain_core.families import family_of
+from canntrain_core.models.classes import config_from_dict
+from canntrain_core.models.hf import base_changes, base_fingerprint, directory_tensors
 from canntrain_core.models.hf_names import to_hf_layout
-from canntrain_core.models.lora import is_adapter
+from canntrain_core.models.lora import is_adapter, peft_config, peft_key
+from canntrain_core.recipe import LoraSettings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {
@@ -64,8 +74,6 @@ def check_base(ckpt: Path, base: str | Path, what: str, now: dict[str, str] | No
     """A LoRA checkpoint's adapters were trained on the base its fingerprint names; refuse ``what``
     (``--merge``, ``generate``, ``resume``) when the directory at ``base`` now holds something else.
     ``now``: the base's fingerprint when the caller has it already."""
-    from canntrain_core.models.hf import base_changes, base_fingerprint
-
     saved = Path(ckpt) / BASE_FINGERPRINT
     if not saved.is_file():  # written by an older canntrain: nothing to compare
         return
@@ -95,8 +103,6 @@ def language_model_prefix(ckpt: Path) -> str:
 def stored_language_model(ckpt: Path) -> tuple[dict, str]:
     """DCP metadata of the checkpoint's language model by Hugging Face name, and where it sits in the model
     state (:func:`language_model_prefix`)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     prefix = "model." + language_model_prefix(ckpt)
     meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     return {k.removeprefix(prefix): v for k, v in meta.items() if k.startswith(prefix)}, prefix.removeprefix("model.")
@@ -164,11 +170,6 @@ def export_hf(
     as a whole model: its ``model.init_from`` base with W + (alpha / rank) B A folded in.
     ``out`` must not exist yet (or be empty): nothing is ever overwritten; it appears complete or not at all.
     """
-    import yaml
-
-    from canntrain_core.families import family_of
-    from canntrain_core.models.classes import config_from_dict
-
     ckpt = resolve_checkpoint(source)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -209,9 +210,6 @@ def export_hf(
 def _load_from_checkpoint(ckpt: Path, stored: dict, names: list[str], prefix: str = "") -> dict[str, torch.Tensor]:
     """These tensors, whole, read from the DCP checkpoint's files (whatever layout wrote them); ``prefix``:
     where they sit in the checkpoint's model (a PPO run's actor: ``actor.``)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     part = {prefix + n: torch.empty(stored[n].size, dtype=stored[n].properties.dtype) for n in names}
     with single_process_ok():
         dcp.load({"model": part}, storage_reader=FileSystemReader(str(ckpt)))
@@ -221,8 +219,6 @@ def _load_from_checkpoint(ckpt: Path, stored: dict, names: list[str], prefix: st
 def _write_shards(out: Path, shapes: dict[str, torch.Size], load, dtype: torch.dtype, limit: int):
     """Safetensors shards of at most ``limit`` bytes (and their index), loading one shard at a time.
     Returns (files, tensors, bytes)."""
-    from safetensors.torch import save_file
-
     names = sorted(shapes, key=_layer_order)
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards: list[list[str]] = [[]]
@@ -261,11 +257,6 @@ def holds_adapters(ckpt: Path) -> bool:
 
 def _write_adapter(ckpt: Path, stored: dict, recipe: dict, out: Path, dtype: torch.dtype):
     """peft's format: adapter_config.json (peft's own writer) + adapter_model.safetensors."""
-    from safetensors.torch import save_file
-
-    from canntrain_core.models.lora import peft_config, peft_key
-    from canntrain_core.recipe import LoraSettings
-
     base = str(Path(recipe["model"]["init_from"]).resolve())
     peft_config(LoraSettings(**recipe["lora"]), base).save_pretrained(out)
     weights = {
@@ -278,8 +269,6 @@ def _write_adapter(ckpt: Path, stored: dict, recipe: dict, out: Path, dtype: tor
 def _merged_source(ckpt: Path, stored: dict, recipe: dict, config):
     """The base model's tensors (from its init_from directory, by canntrain's names) with the adapters folded
     in, a few at a time."""
-    from canntrain_core.models.hf import directory_tensors
-
     shapes, base = directory_tensors(config, recipe["model"]["init_from"])
     adapters = _load_from_checkpoint(ckpt, stored, _adapters(stored))  # small: rank x (in + out) per target
     scale = recipe["lora"]["alpha"] / recipe["lora"]["rank"]
@@ -300,7 +289,7 @@ def _write_tokenizer(ckpt: Path, config, out: Path) -> None:
     """The tokenizer through transformers' own writer, so AutoTokenizer loads it: tokenizer.json, and
     tokenizer_config.json with the special tokens and the chat template the run used (the checkpoint's
     tokenizer_config.json and chat_template.jinja; a checkpoint older than those: the EOS of config.json)."""
-    from tokenizers import Tokenizer
+    # deferred: start-up time (transformers' tokenizer classes load sentencepiece, ~20 ms; --help imports this)
     from transformers import PreTrainedTokenizerFast
 
     if not (ckpt / "tokenizer.json").is_file():
@@ -329,8 +318,6 @@ def _write_tokenizer(ckpt: Path, config, out: Path) -> None:
 def _write_generation_config(ckpt: Path, config, out: Path) -> None:
     """generation_config.json: model.init_from's (sampling settings, its list of end tokens), which the
     checkpoint carries; else, as transformers does, one from the model's config."""
-    from transformers import GenerationConfig
-
     if not (ckpt / "generation_config.json").is_file():
         GenerationConfig.from_model_config(config).save_pretrained(out)
         return

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import zstandard
+
 from canntrain_core.data.cache import DataError
 
 # Directories never part of a corpus: installed packages are not "the standard library",
@@ -147,6 +149,7 @@ def _record_input(path: Path, name: str, kind: str) -> Input:
     st = path.stat()
     if kind != "parquet":
         return Input(str(path), kind, name, st.st_size, st.st_mtime_ns)
+    # deferred: start-up time (pyarrow, for Parquet inputs only; canntrain --help imports this module)
     import pyarrow.parquet as pq
 
     try:
@@ -166,6 +169,7 @@ def _arrow_input(path: Path) -> Input:
 
 
 def _load_arrow(path: str | Path):
+    # deferred: start-up time (datasets, ~0.5 s, for Arrow directories only; canntrain --help imports this module)
     import datasets
 
     try:
@@ -342,8 +346,6 @@ class _ZstdLines(io.RawIOBase):
     stream reader returns a truncated file's bytes as if complete)."""
 
     def __init__(self, path: str):
-        import zstandard
-
         self._zstd = zstandard
         self._file = open(path, "rb")
         self._dobj = zstandard.ZstdDecompressor().decompressobj()
@@ -507,6 +509,7 @@ def _arrow_rows(i: Input, unit: Unit, columns: list[str] | None) -> Iterator[tup
     """(name "file:N", where "path, row N", row as a dict) of the unit's rows of a Parquet file or an Arrow
     dataset (rows counted from 0)."""
     if i.kind == "parquet":
+        # deferred: start-up time (pyarrow, for Parquet inputs only; canntrain --help imports this module)
         import pyarrow.parquet as pq
 
         try:

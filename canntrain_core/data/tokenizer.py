@@ -95,6 +95,7 @@ def transformers_pipeline(model_type: str | None) -> dict | None:
 
 @functools.lru_cache(maxsize=None)
 def _imposed_pipeline(model_type: str) -> dict | None:
+    # deferred: start-up time (transformers' tokenizer classes load sentencepiece, ~20 ms; --help imports this)
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tok = train_tokenizer(["a b"], 300)
@@ -233,6 +234,7 @@ def check_agrees_with_transformers(d: Path, tok: Tokenizer) -> None:
     canntrain would train on ids that the export is never given by transformers."""
     if not (d / "tokenizer_config.json").is_file() and not (d / "config.json").is_file():
         return  # nothing tells transformers to build anything but tokenizer.json itself
+    # deferred: start-up time (transformers' tokenizer classes load sentencepiece, ~20 ms; --help imports this)
     from transformers import AutoTokenizer
 
     try:
@@ -275,6 +277,7 @@ def _config_eos(d: Path, tok: Tokenizer) -> int | None:
 
 def _from_sentencepiece(d: Path):
     """transformers' fast tokenizer converted from a SentencePiece ``tokenizer.model`` (needs sentencepiece)."""
+    # deferred: start-up time (transformers' tokenizer classes load sentencepiece, ~20 ms; --help imports this)
     from transformers import AutoTokenizer
 
     try:
@@ -330,6 +333,7 @@ def _transformers_tokenizer(directory: Path):
     tokenizer.json does; None otherwise (nothing to load)."""
     if not (directory / "tokenizer_config.json").is_file() and chat_template_source(directory) is None:
         return None
+    # deferred: start-up time (transformers' tokenizer classes load sentencepiece, ~20 ms; --help imports this)
     from transformers import PreTrainedTokenizerFast
 
     try:
@@ -395,6 +399,7 @@ def tokenizer_files(
     ``source``: the transformers tokenizer the run started from (:attr:`TrainedTokenizer.hf`), whose special
     tokens (bos, eos, pad, unk, ...) are kept; without one, ``eos_id``'s token is the only special token.
     ``chat_template``: the template the run formatted conversations with (None: none)."""
+    # deferred: start-up time (transformers' tokenizer classes load sentencepiece, ~20 ms; --help imports this)
     from transformers import PreTrainedTokenizerFast
 
     if source is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from canntrain_core.finetune.tasks import score
 from canntrain_core.models.generate import greedy
+from canntrain_core.models.rollout import sample
 
 BATCH = 64  # prompts decoded together
 
@@ -28,8 +29,6 @@ def exact_match(
     sequence right-padded to a ``multiple_of`` the TP degree): the path for sequence parallelism, which
     cannot split a one-token decode step over its ranks.
     """
-    from canntrain_core.models.rollout import sample
-
     prompts = [p for p, _ in examples]
     if cached:  # sample(): eval mode, each response cut after its first end token
         outs = [

@@ -19,6 +19,7 @@ workdir (``$CANNTRAIN_RUNS/rlhf`` under the test suite) with their recipes, so C
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -26,14 +27,20 @@ from pathlib import Path
 
 import canntrain_core
 import canntrain_kernels
+from canntrain_core.checkpoint.export import export_hf
 from canntrain_core.data.cache import file_lock
+from canntrain_core.errors import BadInput
+from canntrain_core.finetune.alignment_data import preference_records
+from canntrain_core.finetune.data import write_jsonl
+from canntrain_core.finetune.tasks import task_records
+from canntrain_core.recipe import load_recipe
+from canntrain_core.stages import make_trainer
+from canntrain_core.train.trainer import Trainer, runs_root
 
 
 def code_version(*recipes: Path) -> str:
     """A hash of canntrain's source (and of ``recipes``' text): a cached start or run is only reused by the code
     that made it."""
-    import hashlib
-
     h = hashlib.sha256()
     packages = [Path(canntrain_core.__file__).parent, Path(canntrain_kernels.__file__).parent]
     for p in [*sorted(p for root in packages for p in root.rglob("*.py")), *recipes]:
@@ -60,8 +67,6 @@ def tiny_start(
 ) -> Start:
     """The fine-tuned model and the data (see the module docstring), trained with ``configs``' (the cookbook's
     recipe folder) tiny_pretrain.yaml and tiny_sft.yaml; ``cache_dir``: the tokenized corpus's."""
-    from canntrain_core.errors import BadInput
-
     recipes = Path(configs) / "tiny_pretrain.yaml", Path(configs) / "tiny_sft.yaml"
     for path in recipes:
         if not path.is_file():
@@ -73,13 +78,6 @@ def tiny_start(
 
 
 def _build_start(root: Path, recipes, settings: dict, pretrain_steps: int, sft_steps: int, seed: int, cache_dir):
-    from canntrain_core.checkpoint.export import export_hf
-    from canntrain_core.finetune.data import write_jsonl
-    from canntrain_core.finetune.tasks import task_records
-    from canntrain_core.recipe import load_recipe
-    from canntrain_core.finetune.alignment_data import preference_records
-    from canntrain_core.stages import make_trainer
-
     base = pretrained_base(recipes[0].parent, pretrain_steps, seed, cache_dir)  # built once, shared
     done = Start(root / "sft_hf", root / "prompts.jsonl", root / "pairs.jsonl", root / "sft", base)
     if (root / "settings.json").is_file():  # written last: a complete start
@@ -112,10 +110,6 @@ def pretrained_base(
     and exported as a Hugging Face directory: what the fine-tuning notebooks, the alignment start and the tests
     start from. Built once in ``workdir`` (default ``runs/start``, ``$CANNTRAIN_RUNS/start`` when set) under a
     lock and reused while the code is the same (:func:`code_version`)."""
-    from canntrain_core.checkpoint.export import export_hf
-    from canntrain_core.recipe import load_recipe
-    from canntrain_core.train.trainer import Trainer, runs_root
-
     recipe_path = Path(configs) / "tiny_pretrain.yaml"
     root = Path(workdir or runs_root() / "start").resolve() / f"pretrained-{steps}-{seed}-{code_version(recipe_path)}"
     with file_lock(root.with_name(root.name + ".lock")):
@@ -148,10 +142,6 @@ def trained(recipe, workdir: str | Path, name: str):
     """A trainer of ``recipe`` that has run to its end in ``workdir/name-<recipe hash>``: trained now, or,
     when an earlier notebook already trained the very same recipe there, loaded from its last checkpoint
     (the metrics are that run's; the model, optimizer and data position are its final ones)."""
-    import hashlib
-
-    from canntrain_core.stages import make_trainer
-
     recipe_hash = hashlib.sha256(recipe.to_yaml().encode()).hexdigest()[:10]
     run = Path(workdir).resolve() / f"{name}-{recipe_hash}-{code_version()}"
     with file_lock(run.with_name(run.name + ".lock")):

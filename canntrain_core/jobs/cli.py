@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred: start-up time (canntrain --help does not load jobs.papermill_runner)
     from canntrain_core.jobs.papermill_runner import describe_run, parse_parameter, run_notebook, run_notebook_ranks
 
     params = {name: parse_parameter(value) for name, value in args.parameter}

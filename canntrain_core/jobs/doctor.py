@@ -32,6 +32,10 @@ import time
 from collections import Counter, defaultdict
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from canntrain_core.errors import BadInput, CanntrainError
 from canntrain_core.jobs.doctor_comm import (
     ITERS,
@@ -48,8 +52,11 @@ from canntrain_core.jobs.doctor_comm import (
     timing_table,
 )
 from canntrain_core.recipe import load_recipe
+from canntrain_core.runtime import get_accelerator
+from canntrain_core.runtime.distributed import ParallelDims
 from canntrain_core.runtime.environment import cann_version, disagreement, rank_environment, torch_npu_version
-from canntrain_core.sizing.devices import bytes_text
+from canntrain_core.sizing.devices import bytes_text, parse_bytes
+from canntrain_core.stages import stage_of
 
 ENV_VARS = (  # what steers the launch, the rendezvous and HCCL / NCCL / gloo
     "MASTER_ADDR MASTER_PORT WORLD_SIZE RANK LOCAL_RANK LOCAL_WORLD_SIZE "
@@ -70,8 +77,6 @@ class DoctorFoundProblems(CanntrainError):
 
 
 def environment_rows(acc) -> list[list[str]]:
-    import torch
-
     capacity = acc.memory_capacity_bytes()
     memory = "unknown" if capacity is None else bytes_text(capacity) + (" (host)" if acc.type == "cpu" else "")
     rows = [
@@ -173,6 +178,7 @@ def loopback_problems(rows: list[dict], resolve: bool = True) -> list[str]:
 
 
 def rank_table_problems(path: str, world: int) -> list[str]:
+    # deferred: start-up time (canntrain --help does not load runtime.rank_table)
     from canntrain_core.runtime.rank_table import RankTableError, check_rank_table, load_rank_table
 
     try:
@@ -234,8 +240,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _max_bytes(text: str | None, device_type: str) -> int:
-    from canntrain_core.sizing.devices import parse_bytes
-
     if text is None:
         return (4 if device_type == "cpu" else 256) * 1024**2
     try:
@@ -256,14 +260,10 @@ def _check_args(args: argparse.Namespace, world: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Under torchrun, @record writes an unexpected exception where the launcher's summary shows it.
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     return record(_doctor)(args)
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from canntrain_core.runtime import get_accelerator
-
     launched = "WORLD_SIZE" in os.environ
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     _check_args(args, world)
@@ -287,11 +287,9 @@ def _printer(rank: int):
 
 def _extra_ranks(recipe) -> int:
     """A stage's ranks beyond distributed.world_size (PPO's separated placement); the stage table is asked only when
-    the recipe separates anything, as importing it is heavy."""
+    the recipe separates anything."""
     if recipe.rlhf.device_placement != "separated":
         return 0
-    from canntrain_core.stages import stage_of
-
     return stage_of(recipe).extra_ranks(recipe)
 
 
@@ -309,8 +307,6 @@ def _single(say, acc, recipe, source: str, launched: bool) -> int:
 
 def _start(say, acc, args, rank: int, world: int):
     """Join the launcher's store, wait for every rank (after the rehearsal's delay), then the process group."""
-    import torch.distributed as dist
-
     acc.set_device()
     store = join_store(rank, args.timeout)
     if rank == args.delay_rank:
@@ -340,10 +336,6 @@ def _loopback_hint(world: int) -> str:
 
 
 def _distributed(say, acc, recipe, args, rank: int, world: int, max_bytes: int) -> int:
-    import torch.distributed as dist
-
-    from canntrain_core.runtime.distributed import ParallelDims
-
     store = _start(say, acc, args, rank, world)
     reach_round(store, "rank map", rank, list(range(world)), args.timeout)
     rows: list = [None] * world

@@ -20,8 +20,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
+from canntrain_core.checkpoint.dcp import checkpoint_config, checkpoint_recipe
+from canntrain_core.checkpoint.export import STAGE_FILE, holds_adapters, language_model_tensors, resolve_checkpoint
+from canntrain_core.data.tokenizer import pretrained_tokenizer
 from canntrain_core.errors import BadInput
+from canntrain_core.finetune.format import ChatFormat
+from canntrain_core.models.classes import config_from_dict, training_class
+from canntrain_core.models.hf import load_weights, read_config, weight_files
+from canntrain_core.models.init import reset_buffers
+from canntrain_core.models.lifecycle import tie_head
+from canntrain_core.models.lm import CausalLM
+from canntrain_core.models.rollout import generate
+from canntrain_core.recipe import TemplateConfig
+from canntrain_core.runtime import get_accelerator
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -77,8 +90,6 @@ class Generator:
         seed: int = 0,
     ) -> list[Completion]:
         """One completion per prompt (all decoded in one left-padded batch); ``temperature`` 0: greedy."""
-        from canntrain_core.models.rollout import generate
-
         if isinstance(prompts, str):
             prompts = [prompts]
         if max_new_tokens < 1:
@@ -108,8 +119,6 @@ class Generator:
 def load_generator(source: str | Path, device: str | torch.device | None = None, dtype: str = "fp32") -> Generator:
     """The model of ``source`` (run directory, checkpoint, or Hugging Face directory) on ``device`` (default:
     the accelerator canntrain trains on), in ``dtype``, with its tokenizer and chat template."""
-    from canntrain_core.runtime import get_accelerator
-
     p = Path(source)
     if not p.is_dir():
         raise BadInput(
@@ -141,10 +150,6 @@ def _from_hf(d: Path, device: torch.device, dtype: torch.dtype) -> Generator:
     """A Hugging Face directory (canntrain's export or transformers' save_pretrained) read as training reads
     ``model.init_from``: the family's file names and layouts (GPT-2's fused c_attn, the experts' own tensors)
     mapped onto canntrain's (``models.hf.load_weights``)."""
-    from safetensors import safe_open
-
-    from canntrain_core.models.hf import read_config, weight_files
-
     config = read_config(d)
     files = weight_files(d)  # a missing or damaged shard is named
     head, embed = files.get("lm_head.weight"), files.get("model.embed_tokens.weight")
@@ -157,11 +162,6 @@ def _from_hf(d: Path, device: torch.device, dtype: torch.dtype) -> Generator:
 
 
 def _from_checkpoint(path: Path, device: torch.device, dtype: torch.dtype) -> Generator:
-    from canntrain_core.checkpoint.dcp import checkpoint_config, checkpoint_recipe
-    from canntrain_core.checkpoint.export import STAGE_FILE, holds_adapters, language_model_tensors, resolve_checkpoint
-    from canntrain_core.models.classes import config_from_dict
-    from canntrain_core.recipe import TemplateConfig
-
     ckpt = resolve_checkpoint(path)
     recipe = checkpoint_recipe(ckpt)
     fields = checkpoint_config(ckpt)
@@ -181,12 +181,6 @@ def _build(config, tensors: dict[str, torch.Tensor] | None, device: torch.device
     """The CausalLM of ``config`` on ``device`` in ``dtype``, its parameters ``tensors`` (canntrain's names;
     a tied model may leave out lm_head.weight), or with ``tensors`` None read from the Hugging Face directory
     ``where``."""
-    from canntrain_core.models.classes import training_class
-    from canntrain_core.models.hf import load_weights
-    from canntrain_core.models.init import reset_buffers
-    from canntrain_core.models.lifecycle import tie_head
-    from canntrain_core.models.lm import CausalLM
-
     if tensors is not None:
         head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
         if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
@@ -215,10 +209,6 @@ def _build(config, tensors: dict[str, torch.Tensor] | None, device: torch.device
 def _finish(model, config, d: Path, fallback) -> Generator:
     """The Generator of ``model`` with DIR's tokenizer, its chat template (``fallback``: the data.template of a
     checkpoint older than chat_template.jinja) and its end tokens."""
-    from canntrain_core.data.tokenizer import pretrained_tokenizer
-    from canntrain_core.finetune.format import ChatFormat
-    from canntrain_core.recipe import TemplateConfig
-
     args = pretrained_tokenizer(d, config, "auto")  # the data builders' path: the same template, read alike
     given = args.get("tokenizer")
     if given is None:

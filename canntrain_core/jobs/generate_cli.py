@@ -35,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred: start-up time (canntrain --help does not load jobs.generate)
     from canntrain_core.jobs.generate import load_generator
 
     gen = load_generator(args.source, dtype=args.dtype)

@@ -61,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_rank_table(args: argparse.Namespace) -> int:
+    # deferred: start-up time (canntrain --help does not load runtime.rank_table)
     from canntrain_core.runtime.rank_table import (
         RankTableError,
         build_rank_table,
@@ -98,6 +99,7 @@ def run_rank_table(args: argparse.Namespace) -> int:
 
 
 def run_slurm(args: argparse.Namespace) -> int:
+    # deferred: start-up time (canntrain --help does not load jobs.slurm)
     from canntrain_core.jobs.slurm import SlurmError, SlurmJob, render
 
     job = SlurmJob(

@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
+
+import torch.distributed as dist
+
+from canntrain_core.recipe import load_recipe
+from canntrain_core.stages import make_trainer
 
 
 def parse_layout(spec: str) -> tuple[str, int | None, str | None, dict]:
@@ -32,11 +38,6 @@ def parse_layout(spec: str) -> tuple[str, int | None, str | None, dict]:
 
 
 def run_layouts(recipe_path: str, out: str | Path, base: dict, layouts: list[str], progress: bool = False) -> None:
-    import torch.distributed as dist
-
-    from canntrain_core.recipe import load_recipe
-    from canntrain_core.stages import make_trainer
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for spec in layouts:
         name, stop, resume, overrides = parse_layout(spec)
@@ -55,8 +56,6 @@ def launch_layouts(
     ``layouts`` maps a run name (``NAME``, ``NAME@STEP`` or ``NAME<CHECKPOINT``) to its overrides.
     Raises RuntimeError with the output's tail when the job fails.
     """
-    import subprocess
-
     specs = [f"{name}={json.dumps(o)}" for name, o in layouts.items()]
     cmd = [
         sys.executable,

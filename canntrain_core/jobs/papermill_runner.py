@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ def default_run_dir(notebook: Path) -> Path:
 
 def execute(notebook: str | Path, out: str | Path, parameters: dict[str, Any], progress: bool = True) -> Path:
     """Execute ``notebook`` into ``out`` with papermill, in the notebook's own folder (as JupyterLab does)."""
+    # deferred: start-up time (papermill, ~1.5 s, only to execute a notebook in this process)
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
@@ -79,10 +83,6 @@ def run_notebook_ranks(
     ``torchrun_args`` carries multi-node options (--nnodes, --node_rank, --master_addr, --master_port);
     without them the job is single-node (--standalone).
     """
-    import json
-    import subprocess
-    import sys
-
     nb = Path(notebook).resolve()
     if not nb.is_file():
         raise BadInput(f"{notebook}: no such notebook")

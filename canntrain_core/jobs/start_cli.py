@@ -13,6 +13,8 @@ import argparse
 import shutil
 from pathlib import Path
 
+from canntrain_core.errors import BadInput
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("start", help="make the tiny recipes' starting models and data (runs/tiny_*_hf, runs/*.jsonl)")
@@ -27,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from canntrain_core.errors import BadInput
+    # deferred: start-up time (canntrain --help does not load jobs.alignment_start)
     from canntrain_core.jobs.alignment_start import tiny_start
 
     if not (Path(args.configs) / "tiny_pretrain.yaml").is_file():

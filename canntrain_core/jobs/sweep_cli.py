@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred: start-up time (canntrain --help does not load jobs.notebook_sweep)
     from canntrain_core.jobs.notebook_sweep import parse_grid, sweep_notebook
 
     grid = parse_grid(args.parameter)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 
+from canntrain_core.errors import BadInput
+from canntrain_core.finetune.alignment_data import preference_records
+from canntrain_core.finetune.data import write_jsonl
+from canntrain_core.finetune.tasks import KINDS, task_records
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from canntrain_core.finetune.tasks import KINDS
-
     p = sub.add_parser("tasks", help="write verifiable instruction data (JSONL) for the tiny fine-tuning recipes")
     p.add_argument("output", help="the .jsonl file to write")
     p.add_argument("--n", type=int, default=4000, help="records (default 4000)")
@@ -20,11 +23,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from canntrain_core.errors import BadInput
-    from canntrain_core.finetune.data import write_jsonl
-    from canntrain_core.finetune.tasks import KINDS, task_records
-    from canntrain_core.finetune.alignment_data import preference_records
-
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds or args.n < 1:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from canntrain_core.recipe import load_recipe
+from canntrain_core.stages import make_trainer
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a recipe without Jupyter")
@@ -29,17 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Under torchrun, @record writes a failing rank's exception where the launcher's summary shows it.
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     return record(_train)(args)
 
 
 def _train(args: argparse.Namespace) -> int:
     # Expected failures (bad recipe, data, checkpoint, run directory; out of memory) propagate as
     # CanntrainError: canntrain_core.cli prints them as one line and exits with their code.
-    from canntrain_core.recipe import load_recipe
-    from canntrain_core.stages import make_trainer
-
     recipe = load_recipe(args.recipe, args.overrides)
     print(recipe.summary())
     trainer = make_trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
@@ -54,6 +54,7 @@ def _draw(run_dir, plot: str) -> None:
     """The stage's picture (``Trainer.plot``) from metrics.jsonl: plots/loss.png, or alignment.png (GRPO, PPO:
     score, reward, KL); a finished run never fails on its picture."""
     try:
+        # deferred: start-up time (matplotlib, ~0.4 s, for the plot only; canntrain --help imports this module)
         from canntrain_core.viz.plots import plot_alignment, plot_loss
 
         if plot == "alignment":

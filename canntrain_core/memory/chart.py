@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import matplotlib.pyplot as plt
+from IPython.display import display
+
 from canntrain_core.sizing.estimator import CATEGORIES, GiB, MemoryEstimate, estimate
 from canntrain_core.sizing.setup import TrainSetup
 from canntrain_core.sizing.shapes import ModelShape
@@ -24,8 +27,6 @@ def stacked_bars(
     title: str = "per-device memory at the peak",
 ):
     """One stacked bar (GiB by category) per labelled estimate; a dashed line at ``capacity`` bytes."""
-    import matplotlib.pyplot as plt
-
     if ax is None:
         _, ax = plt.subplots(figsize=(1.8 + 1.6 * len(estimates), 4))
     labels = [lab for lab, _ in estimates]
@@ -51,8 +52,6 @@ def controls(shape: ModelShape, base: TrainSetup, capacity: float | None = None)
     Draws the default chart straight away (that is what a headless run keeps), then shows the sliders when
     ipywidgets is installed; moving them redraws that same chart in place (one chart, never a second copy).
     """
-    import matplotlib.pyplot as plt
-    from IPython.display import display
 
     def figure(micro_batch: int, seq_length: int, tp: int, pp: int, recompute: str):
         try:
@@ -73,6 +72,7 @@ def controls(shape: ModelShape, base: TrainSetup, capacity: float | None = None)
     )
     chart = display(figure(**defaults), display_id=True)
     try:
+        # deferred: optional here (without ipywidgets the chart is still drawn, without its sliders)
         import ipywidgets as w
     except ImportError:
         return

@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
+from canntrain_core.memory.recipe_shape import shape_from_recipe
+from canntrain_core.recipe import load_recipe
 from canntrain_core.sizing.devices import DEVICES, get_device, parse_bytes
+from canntrain_core.sizing.estimator import GiB, estimate
+from canntrain_core.sizing.layout import check_layout
+from canntrain_core.sizing.setup import TrainSetup, setup_from_recipe
+from canntrain_core.sizing.shapes import shape_from_preset
 
 
 def register(subparsers) -> None:
@@ -55,13 +62,9 @@ def register(subparsers) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
+    # deferred: start-up time (canntrain --help loads neither memory.alignment nor memory.report)
     from canntrain_core.memory.alignment import several_models
-    from canntrain_core.memory.recipe_shape import shape_from_recipe
     from canntrain_core.memory.report import compare_table, estimate_table, to_json
-    from canntrain_core.recipe import load_recipe
-    from canntrain_core.sizing.estimator import estimate
-    from canntrain_core.sizing.layout import check_layout
-    from canntrain_core.sizing.setup import setup_from_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     shape, setup = shape_from_recipe(recipe), setup_from_recipe(recipe)
@@ -72,6 +75,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         return _estimate_alignment(recipe, cap, args)
     meas = None
     if args.measure:
+        # deferred: start-up time (canntrain --help does not load memory.measure)
         from canntrain_core.memory.measure import measure_fake
 
         # what the measurement harness can build: TP without sequence parallel
@@ -95,10 +99,8 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 
 def _estimate_alignment(recipe, cap, args) -> int:
-    from dataclasses import asdict
-
+    # deferred: start-up time (canntrain --help does not load memory.alignment)
     from canntrain_core.memory.alignment import estimate_alignment
-    from canntrain_core.sizing.estimator import GiB
 
     if args.measure:
         print(
@@ -122,10 +124,8 @@ def _estimate_alignment(recipe, cap, args) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from canntrain_core.sizing.estimator import GiB
+    # deferred: start-up time (canntrain --help does not load sizing.plan)
     from canntrain_core.sizing.plan import guidance_note, search, suggest_when_nothing_fits
-    from canntrain_core.sizing.setup import TrainSetup
-    from canntrain_core.sizing.shapes import shape_from_preset
 
     dev = get_device(args.device)
     cap = parse_bytes(args.device_memory) if args.device_memory else dev.memory_bytes

@@ -27,8 +27,16 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from canntrain_core.models.lifecycle import build_meta_model, tie_head
+from canntrain_core.models.registry import build_config
+from canntrain_core.parallel.data_parallel import sync_gradients
+from canntrain_core.recipe import load_recipe
+from canntrain_core.runtime.distributed import ParallelDims
 from canntrain_core.sizing.setup import TrainSetup
 from canntrain_core.sizing.shapes import ModelShape, rebuild_recipe
 
@@ -61,9 +69,6 @@ def local_bytes(t: torch.Tensor) -> int:
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
     """A fake process group of ``world_size`` ranks for the duration of the block (rank 0 is us)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if world_size == 1:
         yield
         return
@@ -79,8 +84,6 @@ def fake_world(world_size: int) -> Iterator[None]:
 def recipe_for(shape: ModelShape, s: TrainSetup):
     """The recipe that trains ``shape`` as ``s`` lays it out (what measure_fake hands to parallelize; the planner's
     tests hand it to the validator, pipelines and experts included)."""
-    from canntrain_core.recipe import load_recipe
-
     pipeline = {"distributed.pipeline_schedule": s.pipeline_schedule}
     if s.num_microbatches is not None:
         pipeline["distributed.num_microbatches"] = s.num_microbatches
@@ -132,13 +135,6 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
     Covers tp (without sequence parallel), FSDP2 (zero=3) over dp (x cp), context parallel, full recompute,
     fp32/bf16/fp16 autocast, and gradient accumulation. Raises NotImplementedError for what it does not cover.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from canntrain_core.models.lifecycle import build_meta_model, tie_head
-    from canntrain_core.models.registry import build_config
-    from canntrain_core.parallel.data_parallel import sync_gradients
-    from canntrain_core.runtime.distributed import ParallelDims
-
     _check_supported(shape, s)
     t0 = time.perf_counter()
     recipe = recipe_for(shape, s)
@@ -243,7 +239,6 @@ def measure_trainer_step(trainer) -> Measurement:
 
     The step changes the model (and the data position is not advanced): measure after training.
     """
-
     model, opt = trainer.model, trainer.optimizer
     loader = iter(trainer.data.train_loader())
     batches = [next(loader) for _ in range(trainer.recipe.optim.grad_accum_steps)]

@@ -11,6 +11,10 @@ import contextlib
 
 import torch
 
+from canntrain_core.models.lifecycle import build_training_model
+from canntrain_core.models.registry import build_config
+from canntrain_core.recipe import load_recipe
+from canntrain_core.runtime.accelerator import get_accelerator
 from canntrain_core.sizing.setup import TrainSetup
 from canntrain_core.sizing.shapes import ModelShape, rebuild_recipe
 
@@ -19,11 +23,6 @@ _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def measure_real(shape: ModelShape, s: TrainSetup, steps: int = 2, device: str | None = None) -> dict[str, object]:
     """Run ``steps`` single-device steps for real; return {"device", "peak_bytes", "kind"}."""
-    from canntrain_core.models.lifecycle import build_training_model
-    from canntrain_core.models.registry import build_config
-    from canntrain_core.recipe import load_recipe
-    from canntrain_core.runtime.accelerator import get_accelerator
-
     if s.world_size != 1:
         raise NotImplementedError("measure_real runs one device; use measure_fake for sharded layouts")
     if shape.num_params() > 2e9:

@@ -22,6 +22,7 @@ def shape_from_recipe(recipe: Any) -> ModelShape:
     be estimated on a laptop: name the preset beside init_from)."""
     m = recipe.model
     if m.init_from and (Path(m.init_from) / "config.json").is_file():
+        # deferred: start-up time (torch, transformers: only for init_from; canntrain_core.memory stays torch-free)
         from canntrain_core.models.registry import model_config
 
         return shape_of(model_config(m))

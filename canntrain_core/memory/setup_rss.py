@@ -19,6 +19,18 @@ import resource
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from canntrain_core.models.classes import training_class
+from canntrain_core.models.lifecycle import build_training_model
+from canntrain_core.models.lm import CausalLM
+from canntrain_core.models.registry import model_config
+from canntrain_core.parallel import parallelize
+from canntrain_core.recipe import load_recipe
+from canntrain_core.runtime.distributed import ParallelDims
+from canntrain_core.train.optim import build_optimizer
+
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far (Linux reports KiB)."""
@@ -32,18 +44,6 @@ def rss_bytes() -> int:
 
 
 def measure(out: str | Path, overrides: dict, path: str = "meta") -> dict:
-    import torch
-    import torch.distributed as dist
-    from canntrain_core.models.classes import training_class
-
-    from canntrain_core.models.lifecycle import build_training_model
-    from canntrain_core.models.lm import CausalLM
-    from canntrain_core.models.registry import model_config
-    from canntrain_core.parallel import parallelize
-    from canntrain_core.recipe import load_recipe
-    from canntrain_core.runtime.distributed import ParallelDims
-    from canntrain_core.train.optim import build_optimizer
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")

@@ -23,6 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from canntrain_core.checkpoint.dcp import single_process_ok
 from canntrain_core.errors import BadInput
 from canntrain_core.families import family_of
 from canntrain_core.models.classes import causal_lm_class, config_from_dict, training_class
@@ -169,8 +176,6 @@ def weight_files(directory: str | Path) -> dict[str, dict[str, Any]]:
     Uses the index when there is one (its files must all exist); a header that is not one is an
     error naming the file.
     """
-    from safetensors import SafetensorError, safe_open
-
     d = Path(directory)
     if (d / INDEX).is_file():
         try:
@@ -208,11 +213,6 @@ def load_weights(model: torch.nn.Module, directory: str | Path, skip=lambda name
     Each rank reads only its own slice of each tensor. Returns, for this rank, one row per tensor:
     name, file, full shape and the slice it read (the interop notebook tabulates them).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    from canntrain_core.checkpoint.dcp import single_process_ok
-
     d = Path(directory)
     available = _with_prefix(weight_files(d), model.config)
     state = {hf_name(n): p for n, p in model.named_parameters() if not skip(n)}
@@ -270,10 +270,6 @@ def _with_prefix(available: dict[str, dict[str, Any]], config) -> dict[str, dict
 def _read_pieces(p: torch.Tensor, parts: list[Piece], d: Path, available: dict[str, dict[str, Any]]) -> None:
     """This rank's shard of ``p`` read from the files' tensors that hold it (``parts``): only the blocks it
     covers are read."""
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset, local = tuple(p.shape), (0,) * p.dim(), p
     if isinstance(p, DTensor):
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
@@ -293,9 +289,6 @@ def _read_pieces(p: torch.Tensor, parts: list[Piece], d: Path, available: dict[s
 
 def _slice(p: torch.Tensor) -> str:
     """The part of the full tensor this rank holds, e.g. ``[32:64, 0:128]``."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = tuple(p.shape), (0,) * p.dim()
     if isinstance(p, DTensor):
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)

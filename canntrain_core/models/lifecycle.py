@@ -32,6 +32,7 @@ from canntrain_core.models.lm import CausalLM
 from canntrain_core.models.lora import apply_lora, has_adapters, is_adapter
 from canntrain_core.parallel import parallelize
 from canntrain_core.runtime.accelerator import HALF_DTYPES
+from canntrain_core.runtime.distributed import ParallelDims
 from canntrain_kernels.reference import plain_cross_entropy
 
 
@@ -56,8 +57,6 @@ def build_meta_model(
     measurement stops here and materializes under FakeTensorMode instead. ``head="scalar"``: the output
     projection has one row, a score per position (reward models and PPO's critic).
     """
-    from canntrain_core.runtime.distributed import ParallelDims
-
     m = recipe.model
     dims = dims or ParallelDims.from_recipe(recipe)
     with torch.device("meta"):

@@ -14,7 +14,10 @@ Face model with W + (alpha / rank) B A folded in.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from transformers import AutoModelForCausalLM
 
 from canntrain_core.models.registry import count_parameters
 
@@ -24,6 +27,7 @@ def is_adapter(name: str) -> bool:
 
 
 def peft_config(lora, base: str | None = None):
+    # deferred: start-up time (peft, ~0.2 s, for LoRA only; canntrain --help imports this module)
     from peft import LoraConfig
 
     return LoraConfig(
@@ -39,6 +43,7 @@ def peft_config(lora, base: str | None = None):
 
 def apply_lora(hf_model: torch.nn.Module, lora) -> None:
     """Inject peft's LoRA layers into ``hf_model`` in place and freeze everything else."""
+    # deferred: start-up time (peft, ~0.2 s, for LoRA only; canntrain --help imports this module)
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(peft_config(lora), hf_model)
@@ -78,10 +83,8 @@ def load_with_peft(base_dir, adapter_dir):
     """transformers' model of ``base_dir`` with peft's ``PeftModel.from_pretrained`` adapter on top, in
     eval mode (peft's own loader; the deprecation warning it triggers inside transformers is not ours
     to act on)."""
-    import warnings
-
+    # deferred: start-up time (peft, ~0.2 s, for LoRA only; canntrain --help imports this module)
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)

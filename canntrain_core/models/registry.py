@@ -3,6 +3,7 @@ init_from directory. Random init from a seed; nothing downloaded."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from canntrain_core.errors import BadInput
 from canntrain_core.families import family_of, family_of_preset
 from canntrain_core.models.classes import config_class, training_class
+from canntrain_core.models.hf import check_against_recipe, check_weights, read_config
 from canntrain_core.models.init import init_weights
 from canntrain_core.recipe import no_model_named
 from canntrain_core.sizing.presets import PRESETS, preset_fields
@@ -39,10 +41,6 @@ def model_config(m, vocab_size: int | None = None):
     (checked against a preset set explicitly, against ``model.overrides`` and against its tensors), else the preset with
     overrides and the tokenizer's ``vocab_size``."""
     if m.init_from:
-        from pathlib import Path
-
-        from canntrain_core.models.hf import check_against_recipe, check_weights, read_config
-
         config = read_config(m.init_from)
         family = family_of(config).name
         if m.type is not None and m.type != family:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from transformers import DynamicCache
 
 
 @dataclass
@@ -64,8 +65,6 @@ def generate(
     The prompts are left-padded; a padded position is masked out of every query's keys and the
     positions count only real tokens, so each row computes what it would alone (to float rounding).
     """
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), pad_id, dtype=torch.long, device=device)

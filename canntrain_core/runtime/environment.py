@@ -32,6 +32,7 @@ AGREE = ("device", "torch", "torch_npu", "CANN")  # what every rank of a job mus
 def torch_npu_version() -> str:
     """torch_npu's version, 'not importable', or why its import failed (CANN libraries missing at load time)."""
     try:
+        # deferred: optional (torch_npu)
         import torch_npu
     except ImportError:
         return "not importable"

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -332,8 +333,6 @@ def summarize(table: dict[str, Any]) -> str:
 def _check_main(argv: list[str] | None = None) -> int:
     """``python rank_table.py FILE [WORLD_SIZE]``: the check alone, run by path from
     scripts/run_pretrain.sh so that it skips the package imports (torch); 0 valid, 1 not."""
-    import sys
-
     argv = sys.argv[1:] if argv is None else argv
     try:
         table = load_rank_table(argv[0])

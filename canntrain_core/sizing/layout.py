@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from canntrain_core.errors import RecipeError
+from canntrain_core.sizing.shapes import ModelShape, shape_of
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -242,9 +245,6 @@ def _context_parallel_problems(L: Layout) -> list[str]:
 def check_layout(recipe: Any, model: Any = None, devices_per_node: int | None = None) -> None:
     """Raise a RecipeError listing every problem of the recipe's layout (``model``: a ModelShape or a
     transformers config)."""
-    from canntrain_core.errors import RecipeError
-    from canntrain_core.sizing.shapes import ModelShape, shape_of
-
     if model is not None and not isinstance(model, ModelShape):
         model = shape_of(model)
     problems = layout_problems(recipe.layout, model, devices_per_node, recipe.distributed.allow_cross_node_tp)

@@ -19,6 +19,10 @@ from pathlib import Path
 
 import torch
 
+from canntrain_core import checkpoint
+from canntrain_core.checkpoint.dcp import load_model_weights
+from canntrain_core.errors import BadInput
+from canntrain_core.models.lifecycle import build_frozen_model
 from canntrain_core.models.rollout import token_logprobs
 
 STOP, SCORE = 0, 1
@@ -35,9 +39,6 @@ def sequence_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 def reward_checkpoint(path: str | Path) -> Path:
     """``rlhf.reward_model``: a reward run's directory (its newest complete checkpoint) or a checkpoint;
     verified against its manifest."""
-    from canntrain_core import checkpoint
-    from canntrain_core.errors import BadInput
-
     path = Path(path)
     found = checkpoint.latest_checkpoint(path / "checkpoints") if (path / "checkpoints").is_dir() else path
     if found is None or not (found / "manifest.json").is_file():
@@ -61,9 +62,6 @@ class FrozenModels:
         """The frozen models of ``recipe``, laid out by ``mesh``/``dims`` (shared placement: as the actor), held in
         the recipe's 16-bit precision when it has one (they never train: ``build_frozen_model``);
         ``reward_ckpt``: :func:`reward_checkpoint` of ``rlhf.reward_model``, already verified."""
-        from canntrain_core.checkpoint.dcp import load_model_weights
-        from canntrain_core.models.lifecycle import build_frozen_model
-
         h = recipe.rlhf
         reference = reward = None
         if h.kl_coeff > 0:  # always the init_from weights

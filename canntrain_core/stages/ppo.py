@@ -32,6 +32,7 @@ import time
 import torch
 from torch import nn
 
+from canntrain_core.checkpoint.dcp import load_model_weights
 from canntrain_core.losses import (
     clipped_policy_loss,
     clipped_value_loss,
@@ -41,7 +42,10 @@ from canntrain_core.losses import (
     masked_whiten,
 )
 from canntrain_core.models.lifecycle import BuiltModel, build_training_model
+from canntrain_core.models.registry import model_config
 from canntrain_core.models.rollout import token_logprobs, token_values
+from canntrain_core.runtime import get_accelerator, seed_everything
+from canntrain_core.runtime.distributed import ParallelDims, exchange_group, init_distributed
 from canntrain_core.stages.frozen import FrozenModels, RemoteFrozenModels, reward_checkpoint, serve
 from canntrain_core.stages.online import OnlineTrainer
 
@@ -66,8 +70,6 @@ class PPOTrainer(OnlineTrainer):
         return h.scorer_ranks if h.device_placement == "separated" else 0
 
     def build_model(self, config, fill: bool):
-        from canntrain_core.checkpoint.dcp import load_model_weights
-
         r, h, dev = self.recipe, self.recipe.rlhf, self.acc.device
         rm = reward_checkpoint(h.reward_model) if h.reward_model else None  # a bad path fails before any weights
         actor = build_training_model(r, config, dev, self.mesh, self.dims, fill=fill)
@@ -79,8 +81,6 @@ class PPOTrainer(OnlineTrainer):
         if h.device_placement == "shared":
             frozen = FrozenModels.build(r, config, dev, self.mesh, self.dims, reward_ckpt=rm)
         else:
-            from canntrain_core.runtime.distributed import exchange_group
-
             group, me = exchange_group()
             frozen = RemoteFrozenModels(
                 group, r.distributed.world_size + me % h.scorer_ranks, h.kl_coeff > 0, bool(h.reward_model)
@@ -222,10 +222,6 @@ class ScorerService:
     ranks assigned to it until each says stop. Outside the trainer's process group; writes nothing."""
 
     def __init__(self, recipe, run_dir=None, progress: bool = False, **_):
-        from canntrain_core.models.registry import model_config
-        from canntrain_core.runtime import get_accelerator, seed_everything
-        from canntrain_core.runtime.distributed import ParallelDims, exchange_group, init_distributed
-
         self.recipe, self.acc = recipe, get_accelerator()
         init_distributed(self.acc, recipe.distributed, PPOTrainer.extra_ranks(recipe))
         self.group, self.rank = exchange_group()

@@ -137,6 +137,7 @@ def summary_writer_class():
     Imported here, not at the top: tensorboard is an optional dependency (pip install tensorboard, or the dev
     extra) that only ``logging.tensorboard: true`` needs, and importing it costs about a second."""
     try:
+        # deferred: optional (tensorboard)
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
         raise RecipeError(

@@ -7,6 +7,12 @@ import time
 
 import torch
 
+from canntrain_core.models.fused import select_kernels
+from canntrain_core.models.lifecycle import build_training_model
+from canntrain_core.models.registry import model_config
+from canntrain_core.recipe import load_recipe
+from canntrain_core.runtime import get_accelerator
+
 
 def train_step_throughput(
     kernels: str = "eager",
@@ -26,12 +32,6 @@ def train_step_throughput(
     eager, auto, compile, ...) and trained on random tokens; the first ``warmup`` steps (compilation)
     are not timed. ``select_s`` is the build, kernel selection included.
     """
-    from canntrain_core.models.fused import select_kernels
-    from canntrain_core.models.lifecycle import build_training_model
-    from canntrain_core.models.registry import model_config
-    from canntrain_core.recipe import load_recipe
-    from canntrain_core.runtime import get_accelerator
-
     acc = get_accelerator()
     recipe = load_recipe(
         None,

@@ -19,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred: start-up time (matplotlib, ~0.4 s; canntrain --help imports this module)
     from canntrain_core.viz.plots import plot_curves
 
     labels = args.labels.split(",") if args.labels else None

@@ -85,7 +85,7 @@ class LiveCurves:
             self.draw()
 
     def draw(self) -> None:
-        # IPython is imported already wherever this is attached (in_notebook)
+        # deferred: start-up time (IPython is imported already wherever this is attached, see in_notebook)
         from IPython.display import Image, display
 
         png = save_png(live_figure(self.run_dir), self.run_dir / "plots" / "live.png")  # closes the figure
