@@ -102,7 +102,11 @@ def test_offload_moves_optimizer_to_host_and_lora_shrinks_states():
     lora = estimate(shape, s.but(lora=LoraSetup(rank=16)))
     trainable = 32 * 16 * (4096 + 4096) * 4  # q, k, v, o: rank x (in + out) each
     assert lora.states["gradients"] == 4 * trainable and lora.states["optimizer_states"] == 8 * trainable
-    assert lora.states["parameters"] == 4 * N_7B
+    # the frozen base in bf16 (the setup's precision: the trainer casts it), the adapters in fp32
+    assert lora.states["parameters"] == 2 * N_7B + 4 * trainable
+    assert estimate(shape, s.but(lora=LoraSetup(rank=16), precision="fp32")).states["parameters"] == 4 * (
+        N_7B + trainable
+    )
 
 
 def test_expert_parallel_divides_experts():
