@@ -362,6 +362,24 @@ class LoraSettings(_Section):
     dropout: float = Field(0.05, ge=0, lt=1)
     # The projections that get adapters (peft's target_modules).
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # QLoRA: hold the frozen base's block linear layers in 4-bit NF4 (bitsandbytes, as transformers'
+    # BitsAndBytesConfig(load_in_4bit=True) with double quantization), computed in model.precision (bf16 or fp16).
+    # One device, CUDA or CPU: bitsandbytes has no Ascend backend.
+    load_in_4bit: bool = False
+
+
+def qlora_problem(recipe: "Recipe") -> str | None:
+    """Why ``lora.load_in_4bit`` cannot run as ``recipe`` says, or None."""
+    device = DEVICES.get(recipe.distributed.target_device or "")
+    if not recipe.lora.enabled:
+        return "a 4-bit base is LoRA's (set lora.enabled)"
+    if recipe.model.precision == "fp32":
+        return "the 4-bit weights compute in model.precision bf16 or fp16, not fp32"
+    if recipe.distributed.world_size != 1:
+        return "one device only (FSDP2 and tensor parallel do not shard bitsandbytes' packed weights here)"
+    if device is not None and device.runtime == "npu":
+        return f"bitsandbytes has no Ascend backend (distributed.target_device {recipe.distributed.target_device})"
+    return None
 
 
 class RLHFConfig(_Section):
@@ -571,6 +589,10 @@ class Recipe(_Section):
             self._alignment_rules()
         if self.lora.enabled and not self.model.init_from:
             raise ValueError("lora.enabled: LoRA adapts a pretrained model; set model.init_from")
+        if self.lora.load_in_4bit:
+            why = qlora_problem(self)
+            if why:
+                raise ValueError(f"lora.load_in_4bit: {why}")
         return self
 
     def _alignment_rules(self) -> None:

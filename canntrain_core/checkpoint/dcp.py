@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from canntrain_core.checkpoint.names import hf_name
 from canntrain_core.errors import BadInput, CanntrainError
 from canntrain_core.runtime.distributed import from_rank0, rank
 
@@ -136,6 +137,16 @@ def single_process_ok():
 def _options(trainable_only: bool):
     """State-dict options: everything, or (LoRA) only the parameters that train."""
     return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
+
+def _model_state(model: torch.nn.Module, options) -> dict[str, Any]:
+    """The model's state dict as ``options`` select it; with frozen parameters left out (LoRA), only what trains:
+    a frozen layer's extra state (a 4-bit base's quantization constants) is rebuilt from ``model.init_from`` too."""
+    state = get_model_state_dict(model, options=options)
+    if options is not None and options.ignore_frozen_params:
+        trainable = {hf_name(name) for name, p in model.named_parameters() if p.requires_grad}  # wrappers aside
+        state = {k: v for k, v in state.items() if hf_name(k) in trainable}
+    return state
 
 
 def _barrier() -> None:
@@ -316,7 +327,7 @@ def save_checkpoint(
 
     options = _options(trainable_only)
     state = {
-        "model": get_model_state_dict(model, options=options),
+        "model": _model_state(model, options),
         "optim": get_optimizer_state_dict(model, optimizer, options=options),
     }
     failed = _writing(lambda: _save_tensors(state, trainer_state, tmp))  # each rank its own shards and state
@@ -356,7 +367,7 @@ def load_checkpoint(
         verify_checkpoint(path)
     options = _options(trainable_only)
     state = {
-        "model": get_model_state_dict(model, options=options),
+        "model": _model_state(model, options),
         "optim": get_optimizer_state_dict(model, optimizer, options=options),
     }
     with single_process_ok():

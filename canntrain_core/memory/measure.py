@@ -119,6 +119,8 @@ def _check_supported(shape: ModelShape, s: TrainSetup) -> None:
         problems.append("pipeline/expert parallel (pp, ep must be 1)")
     if s.weights != "amp" or s.offload_optimizer:
         problems.append("half weights and offload")
+    if s.lora is not None and s.lora.base_bits == 4:
+        problems.append("a 4-bit LoRA base (bitsandbytes' kernels take no fake tensors)")
     if s.lora is not None and s.world_size > 1:
         # torch's MemTracker hooks the gradient of every parameter FSDP2 gathers, and a frozen one has none
         problems.append("LoRA on more than one rank")

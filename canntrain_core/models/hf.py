@@ -6,7 +6,7 @@ Each rank reads only the slices it holds, straight into its (DTensor) shards, wi
 ``HuggingFaceStorageReader`` under DCP. Nothing is ever fetched from the hub (``HF_HUB_OFFLINE``).
 
 Names: canntrain's module tree keeps transformers' own Llama names (``model.layers.3.mlp.up_proj.weight``,
-``lm_head.weight``), so the one table between the two, ``WRAPPERS``, only lists the wrapper modules
+``lm_head.weight``), so the one table between the two, ``checkpoint.names.WRAPPERS``, only lists the wrapper modules
 that parallel training inserts and the Hugging Face names leave out. A family whose files hold other tensors
 (GPT-2's transposed, fused ``c_attn``; Mixtral's experts one file tensor each) says how they map
 (``Family.hf_names``, ``models/hf_names.py``): each rank reads only the parts of the files' tensors its shards
@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from canntrain_core.checkpoint.dcp import single_process_ok
+from canntrain_core.checkpoint.names import hf_name
 from canntrain_core.errors import BadInput
 from canntrain_core.families import family_of
 from canntrain_core.models.classes import causal_lm_class, config_from_dict, training_class
@@ -37,22 +38,12 @@ from canntrain_core.models.hf_names import Piece, pieces, their_shapes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # canntrain never downloads at run time
 
-# Module names a wrapper inserts into parameter names; Hugging Face names are the names without them
-# (activation checkpointing, torch.compile, FSDP1, and peft's LoRA layer around a base projection).
-WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "base_layer.")
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
 class HFFormatError(BadInput):
     """A Hugging Face directory that canntrain cannot read; the message names the file (and tensor)."""
-
-
-def hf_name(name: str) -> str:
-    """The Hugging Face name of one of our parameters (``named_parameters`` of a parallelized CausalLM)."""
-    for wrapper in WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
 
 
 def read_config(directory: str | Path):

@@ -30,6 +30,7 @@ from canntrain_core.models.hf import load_weights
 from canntrain_core.models.init import init_weights, reset_buffers
 from canntrain_core.models.lm import CausalLM
 from canntrain_core.models.lora import apply_lora, has_adapters, is_adapter
+from canntrain_core.models.quantize import quantize_base_4bit
 from canntrain_core.parallel import parallelize
 from canntrain_core.runtime.accelerator import HALF_DTYPES
 from canntrain_core.runtime.distributed import ParallelDims
@@ -147,6 +148,9 @@ def build_training_model(
         init_weights(model, config, recipe.experiment.seed)
         source = f"initialised from seed {recipe.experiment.seed}"
     reset_buffers(model, config, device)
+    if recipe.lora.enabled and recipe.lora.load_in_4bit:  # QLoRA: the 16-bit base's block linears to NF4
+        quantize_base_4bit(model, HALF_DTYPES[m.precision], device)
+        source += ", the block linear layers quantized to 4-bit NF4"
     return BuiltModel(model, config, schedule, source, loaded)
 
 

@@ -14,12 +14,19 @@ Face model with W + (alpha / rank) B A folded in.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from canntrain_core.models.registry import count_parameters
+
+
+# peft imports bitsandbytes whenever it is installed; on a CPU with AVX512-BF16 that import tries to fetch a kernel from
+# the Hugging Face hub (canntrain never downloads at run time) and logs the failure, though bitsandbytes' own kernel
+# then runs: nothing a reader can act on.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def is_adapter(name: str) -> bool:

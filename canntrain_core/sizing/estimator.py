@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from canntrain_core.sizing.activations import layer_activations, recompute_transient, ring_block_transient
-from canntrain_core.sizing.setup import TrainSetup
+from canntrain_core.sizing.setup import TrainSetup, nf4_bytes
 from canntrain_core.sizing.shapes import ROUTED_EXPERT, ModelShape
 
 GiB = 1024**3
@@ -185,6 +185,9 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     params = p_b * elems_at_rest // div_p
     if s.lora is not None:  # the frozen base in 16 bits under bf16/fp16 (else fp32), the adapters in fp32
         params = ((2 if s.weights_16bit else p_b) * elems_at_rest + 4 * trainable) // div_p
+        if s.lora.base_bits == 4:  # QLoRA: the block linears in NF4 (models.quantize), one device
+            linear = st.layers * shape.elements_per_rank(matrices, tp)
+            params = 2 * (elems_at_rest - linear) + nf4_bytes(linear) + 4 * trainable
     gathered = c_b * elems if keeps_gathered else 0  # only between forward and the last backward
     grads = g_b * trainable // div_g
     opt = o_b * trainable // div_o
@@ -300,8 +303,9 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
             "per parameter / shards, plus bf16 copies of what is gathered"
         )
     elif s.lora is not None and s.precision != "fp32":
+        base = "block linears in 4-bit NF4 (0.52 B per weight), the rest" if s.lora.base_bits == 4 else "base"
         notes.append(
-            f"LoRA: the frozen base in {s.precision} (2 B per parameter, no autocast copy); the adapters fp32 with "
+            f"LoRA: the frozen {base} in {s.precision} (2 B per parameter, no autocast copy); the adapters fp32 with "
             "fp32 grads and AdamW m, v (16 B per adapter parameter)"
         )
     elif not half_w and s.precision != "fp32":

@@ -25,6 +25,17 @@ class LoraSetup:
     rank: int = 16
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     dropout: float = 0.05  # on the adapters' input (peft's lora_dropout): a mask and a copy of it kept for backward
+    base_bits: int = 16  # 4: QLoRA's NF4 block linears (lora.load_in_4bit; the rest of the base 16-bit)
+
+
+NF4_BLOCK = 64  # weights per 8-bit absmax scale (bitsandbytes' default)
+DOUBLE_QUANT_BLOCK = 256  # absmax scales per fp32 scale of the second quantization
+
+
+def nf4_bytes(elements: int) -> int:
+    """Bytes of ``elements`` weights in NF4 with double quantization (the QLoRA paper's, bitsandbytes'): half a byte
+    each, one 8-bit scale per 64 and one fp32 scale per 256 of those."""
+    return elements // 2 + elements // NF4_BLOCK + 4 * elements // (NF4_BLOCK * DOUBLE_QUANT_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,8 @@ class TrainSetup:
             raise ValueError(f"precision must be bf16, fp16 or fp32 (got {self.precision!r})")
         if self.weights not in ("amp", "half"):
             raise ValueError(f"weights must be 'amp' or 'half' (got {self.weights!r})")
+        if self.lora is not None and self.lora.base_bits == 4 and (self.precision == "fp32" or self.world_size > 1):
+            raise ValueError("a 4-bit LoRA base computes in bf16 or fp16 on one device")
         problem = self.layout.size_problem()
         if problem:
             raise ValueError(problem)
@@ -131,7 +144,12 @@ def setup_from_recipe(recipe: Any, **extra: Any) -> TrainSetup:
         # What the trainer does: SP and vocabulary parallel as the recipe says.
         sequence_parallel=L.sequence_parallel,
         vocab_parallel=L.vocab_parallel,
-        lora=LoraSetup(recipe.lora.rank, tuple(recipe.lora.target_modules), recipe.lora.dropout)
+        lora=LoraSetup(
+            recipe.lora.rank,
+            tuple(recipe.lora.target_modules),
+            recipe.lora.dropout,
+            4 if recipe.lora.load_in_4bit else 16,
+        )
         if recipe.lora.enabled
         else None,
     )
