@@ -224,7 +224,6 @@ def test_sft_resume_is_bit_exact(pretrained, tmp_path, data_cache):
 
 
 def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(pretrained, tmp_path, data_cache):
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = tmp_path / "base"  # a copy: replaced below
@@ -262,7 +261,7 @@ def test_lora_trains_only_adapters_and_exports_what_peft_and_transformers_load(p
     trainer.model.eval()
     with torch.no_grad():
         ours = trainer.model(ids)
-        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), adapter.out).eval()
+        peft_model = load_with_peft(pretrained, adapter.out)
         assert (peft_model(ids).logits - ours).abs().max() <= 1e-5
         assert (AutoModelForCausalLM.from_pretrained(merged.out)(ids).logits - ours).abs().max() <= 1e-4
     # the base replaced by other weights at the same path: merging or resuming onto it is refused
