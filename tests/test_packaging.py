@@ -2,7 +2,10 @@
 imports at the top (or says why not)."""
 
 import ast
+import os
 import re
+import subprocess
+import sys
 import tokenize
 import tomllib
 from pathlib import Path
@@ -84,3 +87,16 @@ def test_function_level_imports_say_why_they_are_deferred():
                 if not own and not comments.get(above, "").startswith("# deferred:"):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "function-level imports without a '# deferred: <why>' comment:\n" + "\n".join(found)
+
+
+def test_importing_canntrain_puts_the_hub_offline_before_huggingface_hub_reads_it():
+    """huggingface_hub reads HF_HUB_OFFLINE once, at its import: canntrain sets it first (models/hf.py used to set it
+    after transformers had imported the hub, which left it online); a user's own value wins."""
+    probe = "import canntrain_core.models.hf, huggingface_hub.constants as c; print(c.HF_HUB_OFFLINE)"
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "True"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env={**env, "HF_HUB_OFFLINE": "0"}, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split()[-1] == "False"

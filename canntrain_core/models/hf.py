@@ -3,7 +3,7 @@
 ``model.init_from: DIR`` reads ``DIR/config.json`` (the architecture), ``model.safetensors`` or the
 shards listed in ``model.safetensors.index.json`` (the weights), and ``tokenizer.json`` when present.
 Each rank reads only the slices it holds, straight into its (DTensor) shards, with torch's
-``HuggingFaceStorageReader`` under DCP. Nothing is ever fetched from the hub (``HF_HUB_OFFLINE``).
+``HuggingFaceStorageReader`` under DCP. Nothing is ever fetched from the hub (``HF_HUB_OFFLINE``, set by the package).
 
 Names: canntrain's module tree keeps transformers' own Llama names (``model.layers.3.mlp.up_proj.weight``,
 ``lm_head.weight``), so the one table between the two, ``checkpoint.names.WRAPPERS``, only lists the wrapper modules
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ from canntrain_core.families import family_of
 from canntrain_core.models.classes import causal_lm_class, config_from_dict, training_class
 from canntrain_core.models.hf_names import Piece, pieces, their_shapes
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # canntrain never downloads at run time
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
