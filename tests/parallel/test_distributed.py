@@ -121,8 +121,6 @@ def runs(tmp_path_factory, data_cache):
             "single_cut@2={}",  # a one-process checkpoint at step 2, resumed below on 2 ranks
         ],
     )
-    log = launch_layouts(TINY, out, 2, base, {**LAYOUTS, "fsdp2_bf16": {**LAYOUTS["fsdp2"], **BF16}, **MOE_LAYOUTS_2})
-    (out / "launch2.log").write_text(log)
     moe_step3 = out / "moe_ep2_fsdp2" / "checkpoints" / "step_2"
     launch_layouts(
         TINY,
@@ -145,17 +143,23 @@ def runs(tmp_path_factory, data_cache):
     )
     step3 = out / "fsdp4" / "checkpoints" / "step_2"
     single_step3 = out / "single_cut" / "checkpoints" / "step_2"
-    launch_layouts(
+    # every 2-rank layout in one launch (a launch's start costs seconds), after the 4-rank one whose checkpoint the
+    # last three resume
+    log = launch_layouts(
         TINY,
         out,
         2,
         base,
         {
+            **LAYOUTS,
+            "fsdp2_bf16": {**LAYOUTS["fsdp2"], **BF16},
+            **MOE_LAYOUTS_2,
             f"fsdp2_from4<{step3}": LAYOUTS["fsdp2"],
             f"cp2_from4<{step3}": CP2,
             f"fsdp2_from1<{single_step3}": LAYOUTS["fsdp2"],  # the data position is global: 1 rank -> 2
         },
     )
+    (out / "launch2.log").write_text(log)
     run_layouts(str(TINY), out, base, [f"single_from4<{step3}={{}}"])
     return out
 
