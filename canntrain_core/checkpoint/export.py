@@ -43,8 +43,8 @@ from canntrain_core.models.hf import base_changes, base_fingerprint, directory_t
 from canntrain_core.models.hf_names import to_hf_layout
 from canntrain_core.models.lora import is_adapter, peft_config, peft_key
 from canntrain_core.recipe import LoraSettings
+from canntrain_core.runtime.accelerator import DTYPES
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {
     "B": 1,
     "KB": 10**3,

@@ -35,8 +35,7 @@ from canntrain_core.models.lm import CausalLM
 from canntrain_core.models.rollout import generate
 from canntrain_core.recipe import TemplateConfig
 from canntrain_core.runtime import get_accelerator
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from canntrain_core.runtime.accelerator import DTYPES
 
 
 @dataclass

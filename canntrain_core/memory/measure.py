@@ -36,11 +36,10 @@ from canntrain_core.models.lifecycle import build_meta_model, tie_head
 from canntrain_core.models.registry import build_config
 from canntrain_core.parallel.data_parallel import sync_gradients
 from canntrain_core.recipe import load_recipe
+from canntrain_core.runtime.accelerator import DTYPES
 from canntrain_core.runtime.distributed import ParallelDims
 from canntrain_core.sizing.setup import TrainSetup
 from canntrain_core.sizing.shapes import ModelShape, rebuild_recipe
-
-_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -163,7 +162,7 @@ def measure_fake(shape: ModelShape, s: TrainSetup, steps: int = 1) -> Measuremen
                 x, t, pos, _ = model.context_parallel.split_batch(ids, ids)
                 args, kwargs = (x, t), {"position_ids": pos, "context_parallel": True}
             amp = (
-                torch.autocast("cpu", dtype=_DTYPE[s.precision]) if s.precision != "fp32" else contextlib.nullcontext()
+                torch.autocast("cpu", dtype=DTYPES[s.precision]) if s.precision != "fp32" else contextlib.nullcontext()
             )
 
             def train_step(tracker=None):

@@ -18,8 +18,6 @@ from canntrain_core.runtime.accelerator import get_accelerator
 from canntrain_core.sizing.setup import TrainSetup
 from canntrain_core.sizing.shapes import ModelShape, rebuild_recipe
 
-_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 def measure_real(shape: ModelShape, s: TrainSetup, steps: int = 2, device: str | None = None) -> dict[str, object]:
     """Run ``steps`` single-device steps for real; return {"device", "peak_bytes", "kind"}."""

@@ -26,7 +26,7 @@ import torch
 from canntrain_kernels.device import device_type
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # model.precision's 16-bit dtypes
-_DTYPES = {**HALF_DTYPES, "fp32": torch.float32}
+DTYPES = {**HALF_DTYPES, "fp32": torch.float32}  # model.precision (and export/generate --dtype) as torch dtypes
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Accelerator:
 
     def autocast(self, precision: str):
         """Mixed-precision context for forward passes; fp32 is a no-op."""
-        dtype = _DTYPES[precision]
+        dtype = DTYPES[precision]
         if dtype == torch.float32:
             return nullcontext()
         if not self.supports_dtype(precision):

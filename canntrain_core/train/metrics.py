@@ -14,6 +14,7 @@ import torch
 
 from canntrain_core.errors import RecipeError
 from canntrain_core.runtime import Accelerator
+from canntrain_core.runtime.accelerator import DTYPES
 from canntrain_core.sizing.devices import spec_of_device
 from canntrain_core.sizing.shapes import shape_of
 
@@ -53,7 +54,7 @@ def peak_flops(acc: Accelerator, precision: str) -> tuple[float, str]:
         spec = spec_of_device(acc.name())
         if spec is not None:
             return spec.peak_flops, f"{spec.name} spec"
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    dtype = DTYPES.get(precision, torch.float32)
     return measured_peak_flops(str(acc.device), dtype), f"measured {precision} matmul probe"
 
 
