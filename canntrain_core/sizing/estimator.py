@@ -182,12 +182,13 @@ def _estimate_stage(shape: ModelShape, s: TrainSetup, st: _Stage, frag: float) -
     pad = st.layers * _row_padding(at_rest, shard) if fsdp and s.lora is None else 0
     elems_at_rest += pad
     trainable += pad
-    params = p_b * elems_at_rest // div_p
-    if s.lora is not None:  # the frozen base in 16 bits under bf16/fp16 (else fp32), the adapters in fp32
+    if s.lora is None:
+        params = p_b * elems_at_rest // div_p
+    elif s.lora.base_bits == 4:  # QLoRA: the block linears in NF4 (models.quantize), the rest 16-bit; one device
+        linear = st.layers * shape.elements_per_rank(matrices, tp)
+        params = 2 * (elems_at_rest - linear) + nf4_bytes(linear) + 4 * trainable
+    else:  # the frozen base in 16 bits under bf16/fp16 (else fp32), the adapters in fp32
         params = ((2 if s.weights_16bit else p_b) * elems_at_rest + 4 * trainable) // div_p
-        if s.lora.base_bits == 4:  # QLoRA: the block linears in NF4 (models.quantize), one device
-            linear = st.layers * shape.elements_per_rank(matrices, tp)
-            params = 2 * (elems_at_rest - linear) + nf4_bytes(linear) + 4 * trainable
     gathered = c_b * elems if keeps_gathered else 0  # only between forward and the last backward
     grads = g_b * trainable // div_g
     opt = o_b * trainable // div_o
