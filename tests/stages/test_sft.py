@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -300,6 +301,23 @@ def _lora_recipe(pretrained, tasks: str, data_cache: str, **extra):
     )
 
 
+def _resumes_bit_exactly(recipe, full: Path) -> None:
+    """``recipe`` stopped at step 10 and resumed logs what the uninterrupted run in ``full`` logged."""
+    cut = full.parent / f"{full.name}_cut"
+    make_trainer(recipe, run_dir=cut, progress=False).fit(stop_after=10)
+    make_trainer(recipe, run_dir=cut, resume_from="auto", progress=False).fit()
+    assert rows_by_step(cut) == rows_by_step(full)
+
+
+def _peft_loads_the_adapter(pretrained, run_dir: Path, adapters: dict) -> None:
+    """peft's own loader reads the run's exported adapter as ``adapters``, written in the recipe's bf16 (export's
+    default dtype), as peft then holds them."""
+    peft_model = load_with_peft(pretrained, export_hf(run_dir, run_dir.parent / f"{run_dir.name}_adapter").out)
+    theirs = {n.replace("base_model.model.", ""): p for n, p in peft_model.named_parameters() if is_adapter(n)}
+    assert len(theirs) == len(adapters)
+    assert all(torch.equal(theirs[n], p.to(torch.bfloat16).float()) for n, p in adapters.items())
+
+
 def test_a_lora_base_is_held_in_16_bits_and_trains_as_an_fp32_base_does(pretrained, tmp_path, data_cache):
     """model.precision bf16: the frozen base stored in bf16 (no fp32 master, no autocast copy), the adapters and
     their AdamW states in fp32. Measured (20 steps at the tiny recipe's lr): losses within 0.016 of the fp32 run's
@@ -322,16 +340,8 @@ def test_a_lora_base_is_held_in_16_bits_and_trains_as_an_fp32_base_does(pretrain
     fp32, bf16 = ([r["loss"] for r in read_metrics(tmp_path / p) if "loss" in r] for p in ("fp32", "bf16"))
     assert len(bf16) == 20 and max(abs(a - b) for a, b in zip(fp32, bf16)) < 0.05, (fp32, bf16)
 
-    make_trainer(recipe("bf16"), run_dir=tmp_path / "cut", progress=False).fit(stop_after=10)
-    make_trainer(recipe("bf16"), run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
-    assert rows_by_step(tmp_path / "cut") == rows_by_step(tmp_path / "bf16")
-
-    exported = export_hf(tmp_path / "bf16", tmp_path / "adapter")
-    peft_model = load_with_peft(pretrained, exported.out)  # peft's own loader
-    theirs = {n.replace("base_model.model.", ""): p for n, p in peft_model.named_parameters() if is_adapter(n)}
-    assert len(theirs) == len(adapters)
-    # written in the recipe's precision (export's default dtype), as peft then holds them
-    assert all(torch.equal(theirs[n], p.to(torch.bfloat16).float()) for n, p in adapters.items())
+    _resumes_bit_exactly(recipe("bf16"), tmp_path / "bf16")
+    _peft_loads_the_adapter(pretrained, tmp_path / "bf16", adapters)
 
     held = measure_trainer_step(trainer).peak  # last: it takes a step
     for p in base:
@@ -361,14 +371,9 @@ def test_a_qlora_base_is_4_bit_nf4_trains_resumes_and_exports(pretrained, tmp_pa
     bf16, nf4 = ([r["loss"] for r in read_metrics(tmp_path / p) if "loss" in r] for p in ("bf16", "nf4"))
     assert len(nf4) == 20 and max(abs(a - b) for a, b in zip(bf16, nf4)) < 0.3, (bf16, nf4)
 
-    make_trainer(recipe(True), run_dir=tmp_path / "cut", progress=False).fit(stop_after=10)
-    make_trainer(recipe(True), run_dir=tmp_path / "cut", resume_from="auto", progress=False).fit()
-    assert rows_by_step(tmp_path / "cut") == rows_by_step(tmp_path / "nf4")
-
+    _resumes_bit_exactly(recipe(True), tmp_path / "nf4")
     adapters = {n: p for n, p in trainer.model.named_parameters() if is_adapter(n)}
-    peft_model = load_with_peft(pretrained, export_hf(tmp_path / "nf4", tmp_path / "adapter").out)
-    theirs = {n.replace("base_model.model.", ""): p for n, p in peft_model.named_parameters() if is_adapter(n)}
-    assert all(torch.equal(theirs[n], p.to(torch.bfloat16).float()) for n, p in adapters.items())
+    _peft_loads_the_adapter(pretrained, tmp_path / "nf4", adapters)
     assert (export_hf(tmp_path / "nf4", tmp_path / "merged", merge=True).out / "config.json").is_file()
 
     est = estimate(shape_from_recipe(trainer.recipe), setup_from_recipe(trainer.recipe))
