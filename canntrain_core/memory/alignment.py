@@ -26,12 +26,11 @@ import torch
 
 from canntrain_core.memory.measure import local_bytes
 from canntrain_core.memory.recipe_shape import shape_from_recipe
+from canntrain_core.runtime.accelerator import DTYPES
 from canntrain_core.sizing.estimator import GiB, estimate
 from canntrain_core.sizing.setup import setup_from_recipe
 from canntrain_core.stages import stage_of
 from canntrain_core.train.trainer import Trainer
-
-_HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass
@@ -83,7 +82,7 @@ def estimate_alignment(recipe) -> AlignmentEstimate:
     setup = setup_from_recipe(recipe, micro_batch=mini, grad_accum=1)
     separated = stage.extra_ranks(recipe) > 0
     shard = d.tensor_parallel_size * (d.data_parallel_size if d.zero_optimization >= 1 else 1)
-    half = _HALF[recipe.model.precision]
+    half = DTYPES[recipe.model.precision].itemsize  # bytes of a frozen weight, and of a KV cache entry
     roles, trained = [], []
     frozen_here = frozen_there = 0
     for name, trains, scalar in stage.roles(recipe):
