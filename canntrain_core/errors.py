@@ -54,3 +54,8 @@ class CollectiveFailed(CanntrainError):
     """A collective did not finish within ``distributed.timeout_seconds`` (or a peer's connection closed): the
     message names the collective, its group, this rank's step and the ranks that had not reached it, and the last
     complete checkpoint."""
+
+
+class RolloutEngineFailed(CanntrainError):
+    """The rollout engine (a vLLM process) did not start, died or refused a request: the message names the process,
+    its log and the last complete checkpoint."""

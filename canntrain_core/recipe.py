@@ -382,6 +382,52 @@ def qlora_problem(recipe: "Recipe") -> str | None:
     return None
 
 
+class RolloutConfig(_Section):
+    """rlhf.rollout (grpo, ppo): which engine samples the responses. local: the trainer's own KV-cached loop
+    (models/rollout.py); vllm: a vLLM process beside the trainer (engines/), its weights replaced after each update."""
+
+    # local: this process samples (the tiny recipes' default); vllm: a vLLM engine in its own process and environment.
+    backend: Literal["local", "vllm"] = "local"
+    # vllm: the interpreter of the vLLM environment (make vllm-env makes .venv-vllm/bin/python); None:
+    # $CANNTRAIN_VLLM_PYTHON, else the repository's .venv-vllm when there is one.
+    python: str | None = None
+    # vllm: a rollout server already running (started by hand from engines/vllm_server.py), instead of starting one.
+    url: str | None = None
+    # vllm: how many updates older than the trained weights the sampling weights may be. 0: each batch is sampled
+    # after the previous update (on-policy); 1: the next batch is sampled while this one trains (verl's and TRL's
+    # one-step-off async), the ratio taken against the sampling weights' log-probabilities.
+    staleness: int = Field(0, ge=0)
+    # vllm: tensor-parallel ranks of the engine.
+    tensor_parallel_size: int = Field(1, gt=0)
+    # vllm on an accelerator: the share of each engine device's memory vLLM may take (weights + KV cache); keep it
+    # low enough for training when the engine shares the trainer's devices.
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # vllm: GiB of KV cache (on a CPU VLLM_CPU_KVCACHE_SPACE); None: vLLM's default, most of the free memory.
+    kv_cache_gib: float | None = Field(None, gt=0)
+    # vllm: the engine's weights dtype; auto: model.precision's.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # vllm: the longest prompt + response the engine admits; None: the model's max_position_embeddings.
+    max_model_len: int | None = Field(None, gt=0)
+    # vllm: the devices a started engine sees (CUDA_VISIBLE_DEVICES or ASCEND_RT_VISIBLE_DEVICES), e.g. "4,5,6,7";
+    # None: the same as the trainer's.
+    devices: str | None = None
+    # vllm: no graph capture or compilation (faster start, slower decoding; what a CPU test wants).
+    enforce_eager: bool = False
+    # vllm: seconds a started engine may take to load before the run stops.
+    start_timeout_s: int = Field(900, gt=0)
+
+    @model_validator(mode="after")
+    def _vllm_keys(self) -> "RolloutConfig":
+        if self.backend == "local":
+            fields = type(self).model_fields
+            changed = [k for k, f in fields.items() if k != "backend" and getattr(self, k) != f.default]
+            if changed:
+                raise ValueError(f"{changed[0]} is read by backend vllm only, and backend is local")
+        if self.python and self.url:
+            raise ValueError("url and python are both set: a run attaches to the engine at url or starts one with python")
+        return self
+
+
 class RLHFConfig(_Section):
     """Alignment (train_mode reward, dpo, grpo, ppo); each key says which stages read it."""
 
@@ -432,6 +478,8 @@ class RLHFConfig(_Section):
     beta: float = Field(0.1, gt=0)
     # DPO's label smoothing (the conservative DPO of TRL): the chance a preference is flipped.
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    # grpo, ppo: the engine that samples the rollouts
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
 
 # Which stages read which rlhf key (set to anything but its default in another stage: refused).
@@ -460,6 +508,7 @@ RLHF_KEYS = {
     "scale_rewards": ("grpo",),
     "beta": ("dpo",),
     "label_smoothing": ("dpo",),
+    "rollout": ("grpo", "ppo"),
 }
 
 

@@ -194,7 +194,7 @@ def export_hf(
             done = _write_adapter(ckpt, stored_language_model(ckpt)[0], recipe, tmp, DTYPES[dtype])
         else:
             shapes, load = to_hf_layout(config, *language_model_tensors(ckpt, recipe, config, merge, "--merge"))
-            done = _write_shards(tmp, shapes, load, DTYPES[dtype], parse_size(max_shard_size))
+            done = write_shards(tmp, shapes, load, DTYPES[dtype], parse_size(max_shard_size))
             config.save_pretrained(tmp)
             _write_generation_config(ckpt, config, tmp)
         _write_tokenizer(ckpt, config, tmp)
@@ -216,9 +216,10 @@ def _load_from_checkpoint(ckpt: Path, stored: dict, names: list[str], prefix: st
     return {n.removeprefix(prefix): t for n, t in part.items()}
 
 
-def _write_shards(out: Path, shapes: dict[str, torch.Size], load, dtype: torch.dtype, limit: int):
+def write_shards(out: Path, shapes: dict[str, torch.Size], load, dtype: torch.dtype, limit: int, write: bool = True):
     """Safetensors shards of at most ``limit`` bytes (and their index), loading one shard at a time.
-    Returns (files, tensors, bytes)."""
+    Returns (files, tensors, bytes). ``write`` False: load the same shards in the same order and write nothing (the
+    ranks of a sharded model that gather with rank 0, which writes)."""
     names = sorted(shapes, key=_layer_order)
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards: list[list[str]] = [[]]
@@ -234,12 +235,13 @@ def _write_shards(out: Path, shapes: dict[str, torch.Size], load, dtype: torch.d
     for i, group in enumerate(shards, start=1):
         fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         part = {n: t.to(dtype).contiguous() for n, t in load(group).items()}
-        save_file(part, str(out / fname), metadata={"format": "pt"})
+        if write:
+            save_file(part, str(out / fname), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in part.values())
         weight_map.update({n: fname for n in group})
         files.append(fname)
         del part
-    if len(shards) > 1:
+    if len(shards) > 1 and write:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return files, len(names), total

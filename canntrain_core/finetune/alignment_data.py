@@ -138,11 +138,16 @@ class PromptBundle(TokenText):
 
     def train_loader(self):
         """Each iteration's ``data.batch_size`` prompts of this rank, in the sampler's order (advanced by them)."""
-        it = iter(self.sampler)
-        while True:
-            picked = [self.train[next(it)] for _ in range(self.cfg.batch_size)]
+        for picked in self.prompt_batches():
             self.sampler.advance(len(picked))
             yield picked
+
+    def prompt_batches(self):
+        """The same batches, the sampler left where it is: for a caller that draws ahead of training (a rollout
+        engine sampling the next batch) and advances the sampler as it trains on each."""
+        it = iter(self.sampler)
+        while True:
+            yield [self.train[next(it)] for _ in range(self.cfg.batch_size)]
 
     def val_batches(self, n_samples: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list:
         """This rank's share of the first ``n_samples`` held-out prompts, ``batch_size`` at a time."""

@@ -28,6 +28,10 @@ class Rollout:
     prompt_lens: list[int]
     responses: list[list[int]]  # response tokens, the end token included when one was generated
     ended: torch.Tensor  # [N] bool: the response has an end token
+    # a rollout engine's sample (engines/): its log p of each response token, laid out as ``mask``, and the step of
+    # the weights that drew it; None when sampled in this process
+    logprobs: torch.Tensor | None = None
+    version: int | None = None
 
     @property
     def last(self) -> torch.Tensor:

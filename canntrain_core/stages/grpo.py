@@ -28,6 +28,10 @@ from canntrain_core.stages.online import OnlineTrainer
 class GRPOTrainer(OnlineTrainer):
     train_modes = ("grpo",)
 
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.recipe.rlhf.group_size
+
     def build_model(self, config, fill: bool):
         built = super().build_model(config, fill)
         reference = None
@@ -42,21 +46,21 @@ class GRPOTrainer(OnlineTrainer):
     def roles(recipe) -> list[tuple[str, bool, bool]]:
         return [("policy", True, False)] + [("reference", False, False)] * (recipe.rlhf.kl_coeff > 0)
 
-    def train_iteration(self, prompts) -> dict:
+    def train_iteration(self, batch) -> dict:
         """Sample a group per prompt, score, then ``rlhf.ppo_epochs`` passes of clipped policy-gradient steps."""
         h = self.recipe.rlhf
         G, T, estimator = h.group_size, h.temperature, h.kl_estimator or "k3"
         agg = {"aggregation": h.loss_aggregation, "max_tokens": h.generate_max_length}
         lr = self.scheduler.get_last_lr()[0]
-        t0 = time.perf_counter()
-        ro = self.rollout(prompts, G, T)
+        prompts, ro, timing = self.sampled(batch, G, T)
         t1 = time.perf_counter()
         scores = self.true_scores(ro, prompts, G)
         adv = group_advantages(scores, G, h.scale_rewards).to(self.acc.device)
         ids, mask = ro.ids.to(self.acc.device), ro.mask.to(self.acc.device)
         with torch.no_grad(), self.compute():
-            old, ent = token_logprobs(self.model, ids, T, with_entropy=True)
+            recomputed, ent = token_logprobs(self.model, ids, T, with_entropy=True)
             ref = token_logprobs(self.reference, ids, T) if self.reference is not None else None
+        old, engine_figures = self.behaviour_logprobs(ro, recomputed, mask)
         t2 = time.perf_counter()
         stats: dict[str, list[float]] = {}
         self.model.train()
@@ -103,11 +107,13 @@ class GRPOTrainer(OnlineTrainer):
             "lr": lr,
             **({"actor/kl_coef": h.kl_coeff} if ref is not None else {}),
             **{k: sum(v) / len(v) for k, v in stats.items()},
-            "timing_s/gen": t1 - t0,
+            **timing,
             "timing_s/score": t2 - t1,
             "timing_s/update": t3 - t2,
-            "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
+            "perf/generation_tokens_per_second": gen_tokens / timing["timing_s/gen"],
             "perf/train_tokens_per_second": h.ppo_epochs * ids.numel() / (t3 - t2),
+            **engine_figures,
+            **self.push_weights(),
         }
         return record
 

@@ -8,11 +8,20 @@ policy was trained on (a learned reward model's score, for PPO).
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from concurrent.futures import Future
+
 import torch
 
+from canntrain_core.checkpoint.live import write_live_weights
+from canntrain_core.engines.vllm_engine import EngineSample, VLLMEngine
+from canntrain_core.errors import RolloutEngineFailed
+from canntrain_core.finetune.alignment_data import build_prompt_data
 from canntrain_core.finetune.tasks import partial_score, score
 from canntrain_core.models.rollout import sample
-from canntrain_core.finetune.alignment_data import build_prompt_data
+from canntrain_core.runtime.accelerator import DTYPES
+from canntrain_core.train.health import checkpoint_sentence
 from canntrain_core.train.trainer import Trainer
 
 
@@ -20,6 +29,7 @@ class OnlineTrainer(Trainer):
     formats_conversations = True
     policy: torch.nn.Module  # the model that generates (set by the stage's build_model)
     plot = "alignment"
+    samples_per_prompt = 1  # responses sampled per prompt in training (GRPO: rlhf.group_size)
 
     @staticmethod
     def rows(recipe) -> tuple[int, int]:
@@ -37,11 +47,121 @@ class OnlineTrainer(Trainer):
         return self.acc.autocast(self.recipe.model.precision)
 
     def rollout(self, prompts, n: int, temperature: float):
+        """``n`` responses to each prompt from the policy as it is now, sampled in this process (evaluation's, and
+        the training rollouts of ``rlhf.rollout.backend: local``)."""
         h = self.recipe.rlhf
         with self.compute():
             return sample(
                 self.policy, [p for p, _ in prompts], n, h.generate_max_length, self.data.eos_id, temperature, h.top_k
             )
+
+    # ---- the training rollouts: this process's loop, or a vLLM engine beside it ----
+    engine: VLLMEngine | None = None  # rlhf.rollout.backend vllm: started at the first batch, stopped by close()
+
+    def sampled(self, batch, n: int, temperature: float) -> tuple[list, object, dict]:
+        """The prompts of ``batch`` (what ``batches`` gave), their ``n`` responses each, and the rollout's figures:
+        sampled here, or the engine's sample waited for (``timing_s/gen_wait``; its own time ``timing_s/gen``, the
+        overlap with the previous update ``timing_s/gen_overlap``, the weights' age ``rollout/staleness``)."""
+        if not isinstance(batch, Future):
+            started = time.perf_counter()
+            ro = self.rollout(batch, n, temperature)
+            return batch, ro, {"timing_s/gen": time.perf_counter() - started}
+        started = time.perf_counter()
+        got: EngineSample = self._engine_call(batch.result)
+        waited = time.perf_counter() - started
+        ro = got.rollout
+        ro.logprobs, ro.version = got.logprobs, got.version
+        return (
+            got.prompts,
+            ro,
+            {
+                "timing_s/gen": got.seconds,
+                "timing_s/gen_wait": waited,
+                "timing_s/gen_overlap": max(0.0, got.seconds - waited),
+                "rollout/staleness": self.step - got.version,
+            },
+        )
+
+    def behaviour_logprobs(self, ro, recomputed: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The log-probabilities the importance ratio divides by: the trainer's recomputation on the sampling
+        weights (on-policy: ``recomputed``, as verl recomputes ``old_log_prob``), or the engine's own when the
+        weights have moved on since (``rlhf.rollout.staleness`` > 0). With an engine, how far its probabilities
+        are from the trainer's on the same tokens (verl's ``training/rollout_probs_diff_*``)."""
+        if ro.logprobs is None:
+            return recomputed, {}
+        engine = ro.logprobs.to(recomputed.device)
+        diff = (engine.exp() - recomputed.exp()).abs()[mask.bool()]
+        figures = {
+            "training/rollout_probs_diff_max": float(diff.max()),
+            "training/rollout_probs_diff_mean": float(diff.mean()),
+        }
+        return (engine if ro.version != self.step else recomputed), figures
+
+    def push_weights(self) -> dict:
+        """After an update the engine reloads the policy (all ranks gather, rank 0 writes): ``timing_s/weight_sync``."""
+        if self.engine is None:
+            return {}
+        started = time.perf_counter()
+        self._write_policy(with_config=False)
+        if self.rank == 0:
+            self._engine_call(self.engine.load, self.step + 1)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank asks for the next batch before the engine holds the new weights
+        return {"timing_s/weight_sync": time.perf_counter() - started}
+
+    def _write_policy(self, with_config: bool) -> None:
+        precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.engine.dtype]
+        write_live_weights(
+            self.policy, self.model_config, self.engine.weights, DTYPES[precision], self.rank == 0, with_config
+        )
+
+    def _engine_call(self, fn, *args):
+        try:
+            return fn(*args)
+        except RolloutEngineFailed as e:
+            raise RolloutEngineFailed(f"{e}. {checkpoint_sentence(self._last_checkpoint())}") from e
+
+    def _start_engine(self) -> VLLMEngine:
+        h, r = self.recipe.rlhf, self.recipe
+        self.engine = VLLMEngine(h.rollout, r.model.precision, self.run_dir, self.acc.device.type, self.rank, self.step)
+        self._write_policy(with_config=True)
+        self._engine_call(self.engine.start)
+        if h.rollout.url and self.rank == 0:  # a server started elsewhere holds other weights: this run's, now
+            self._engine_call(self.engine.load, self.step)
+        return self.engine
+
+    def _engine_batches(self, n: int):
+        """Prompt batches as Futures of the engine's samples, ``rlhf.rollout.staleness`` batches ahead: the next
+        batch is being sampled while this one trains. The sampler advances as each is handed out, so a checkpoint
+        records only the batches trained (a resume samples the rest again, on the checkpoint's weights)."""
+        h, r = self.recipe.rlhf, self.recipe
+        engine = self._start_engine()
+        source, ahead = self.data.prompt_batches(), deque()
+        while True:
+            while len(ahead) <= h.rollout.staleness:
+                prompts = next(source)
+                seed = (r.experiment.seed * 1_000_003 + (self.step + len(ahead)) * 1_009 + self.rank) % 2**31
+                ahead.append(
+                    self._engine_call(
+                        engine.submit,
+                        prompts,
+                        n,
+                        h.generate_max_length,
+                        h.temperature,
+                        h.top_k,
+                        self.data.eos_id,
+                        self.data.eos_id,
+                        seed,
+                    )
+                )
+            done = ahead.popleft()
+            self.data.sampler.advance(r.data.batch_size)
+            yield done
+
+    def close(self) -> None:
+        """Stop the rollout engine this run started."""
+        if self.engine is not None:
+            self.engine.close()
 
     def true_scores(self, ro, prompts, n: int = 1) -> torch.Tensor:
         """The programmatic score of every response (``n`` per prompt, in the rollout's order)."""
@@ -66,7 +186,10 @@ class OnlineTrainer(Trainer):
         return [(self.data.decode(p), self.data.answer_text(r), ref) for (p, ref), r in zip(prompts, ro.responses)]
 
     def batches(self):
-        """Each iteration's ``data.batch_size`` prompts, in the sampler's order."""
+        """Each iteration's ``data.batch_size`` prompts, in the sampler's order; with a vLLM engine, the Future of
+        their samples."""
+        if self.recipe.rlhf.rollout.backend == "vllm":
+            return self._engine_batches(self.samples_per_prompt)
         return self.data.train_loader()
 
     def log_record(self, raw: dict, last: bool) -> dict:

@@ -111,13 +111,12 @@ class PPOTrainer(OnlineTrainer):
     def load_extra_state(self, state: dict) -> None:
         self.kl_coeff = state.get("kl_coeff", self.kl_coeff)
 
-    def train_iteration(self, prompts) -> dict:
+    def train_iteration(self, batch) -> dict:
         """Roll out, score (experience), then ``rlhf.ppo_epochs`` passes over mini-batches; adapt the KL
         coefficient."""
         r = self.recipe
         lr = self.scheduler.get_last_lr()[0]
-        t0 = time.perf_counter()
-        ro = self.rollout(prompts, 1, r.rlhf.temperature)
+        prompts, ro, timing = self.sampled(batch, 1, r.rlhf.temperature)
         t1 = time.perf_counter()
         exp, record = self.experience(ro, prompts)
         t2 = time.perf_counter()
@@ -129,16 +128,18 @@ class PPOTrainer(OnlineTrainer):
             {
                 "lr": lr,
                 "response_length/mean": gen_tokens / len(ids),
-                "timing_s/gen": t1 - t0,
+                **timing,
                 "timing_s/score": t2 - t1,
                 "timing_s/update": t3 - t2,
-                "perf/generation_tokens_per_second": gen_tokens / (t1 - t0),
+                "perf/generation_tokens_per_second": gen_tokens / timing["timing_s/gen"],
                 "perf/train_tokens_per_second": r.rlhf.ppo_epochs * ids.numel() / (t3 - t2),
+                **self.push_weights(),
             }
         )
         return record
 
     def close(self) -> None:
+        super().close()
         self.frozen.close()  # the scorer ranks (separated placement) stop serving
 
     @torch.no_grad()
@@ -147,9 +148,10 @@ class PPOTrainer(OnlineTrainer):
         h, dev = self.recipe.rlhf, self.acc.device
         ids, mask = ro.ids.to(dev), ro.mask.to(dev)
         with self.compute():
-            old, ent = token_logprobs(self.policy, ids, h.temperature, with_entropy=True)
+            recomputed, ent = token_logprobs(self.policy, ids, h.temperature, with_entropy=True)
             values = token_values(self.critic, ids) * mask
             ref, learned = self.frozen(ids, mask)
+        old, engine_figures = self.behaviour_logprobs(ro, recomputed, mask)
         true = self.true_scores(ro, prompts).to(dev)
         score = (learned if learned is not None else true) - h.missing_eos_penalty * (~ro.ended).float().to(dev)
         kl = kl_penalty(old, ref, h.kl_estimator or "k1") * mask if ref is not None else torch.zeros_like(old)
@@ -171,6 +173,7 @@ class PPOTrainer(OnlineTrainer):
             "actor/reward_kl_penalty_coeff": self.kl_coeff,
             "actor/entropy": float(masked_mean(ent, mask)),
             "response_length/clip_ratio": float((lengths == h.generate_max_length).float().mean()),
+            **engine_figures,
         }
         return {
             "ids": ids,
