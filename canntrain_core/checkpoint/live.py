@@ -6,11 +6,13 @@ gathered whole one output shard at a time (``DTensor.full_tensor``, a collective
 order), so rank 0 holds at most one shard of the file (``max_shard_size``) beyond its own share, 5 GB by default
 whatever the model's size; rank 0 writes. The files are what ``canntrain export`` writes for the same weights
 (family names and layouts, ``models.hf_names``), so vLLM and transformers read them as a Hugging Face model.
+:func:`live_tensors` gives the same tensors one at a time for a broadcast (``engines/weight_sync.py``) instead.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,6 +29,27 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def hf_view(model: torch.nn.Module, config) -> tuple[dict, object]:
+    """``model``'s parameters as the Hugging Face model has them: (shapes by Hugging Face name, ``load(names)``
+    giving those tensors whole; a collective on a sharded model, so every rank loads the same names in order)."""
+    params = {hf_name(n): p for n, p in model.named_parameters()}
+    if config.tie_word_embeddings:
+        params.pop("lm_head.weight", None)  # transformers and vLLM tie it back
+    shapes = {n: p.shape for n, p in params.items()}
+    return to_hf_layout(config, shapes, lambda names: {n: _whole(params[n]) for n in names})
+
+
+def live_tensors(
+    model: torch.nn.Module, config, dtype: torch.dtype, device: torch.device
+) -> tuple[list, Iterator[torch.Tensor]]:
+    """What a broadcast to a rollout engine sends: the (Hugging Face name, shape) list, and the tensors in that
+    order, one whole tensor at a time in ``dtype`` on ``device`` (every rank iterates them; see :func:`hf_view`)."""
+    shapes, load = hf_view(model, config)
+    names = list(shapes)
+    tensors = (load([n])[n].to(device=device, dtype=dtype).contiguous() for n in names)
+    return [(n, list(shapes[n])) for n in names], tensors
+
+
 def write_live_weights(
     model: torch.nn.Module,
     config,
@@ -38,11 +61,7 @@ def write_live_weights(
 ) -> int:
     """``model``'s parameters (a causal LM with Hugging Face names, as trained) into ``out`` as safetensors shards,
     with config.json when ``with_config``; ``write``: whether this rank writes (rank 0). Returns the bytes written."""
-    params = {hf_name(n): p for n, p in model.named_parameters()}
-    if config.tie_word_embeddings:
-        params.pop("lm_head.weight", None)  # transformers and vLLM tie it back
-    shapes = {n: p.shape for n, p in params.items()}
-    shapes, load = to_hf_layout(config, shapes, lambda names: {n: _whole(params[n]) for n in names})
+    shapes, load = hf_view(model, config)
     out = Path(out)
     if write:
         out.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@ order they arrive.
 Weights travel through the file system, the portable path: after each update every rank of the trained model takes
 part in writing the policy as safetensors (``checkpoint/live.py``), rank 0 writes them under
 ``<run_dir>/rollout/weights`` and asks the engine to reload them in place (vLLM's ``reload_weights``) and to drop its
-prefix cache, whose keys the old weights computed. Each sample carries the version (the step) of the weights that
-drew it.
+prefix cache, whose keys the old weights computed. With ``rlhf.rollout.weight_sync: broadcast`` no file is written
+after the start: rank 0 broadcasts each tensor to the engine's workers over a process group of their own (gloo, NCCL
+or HCCL: ``weight_sync.py``). Each sample carries the version (the step) of the weights that drew it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from canntrain_core.engines.weight_sync import open_group, start_broadcast
 from canntrain_core.errors import RolloutEngineFailed
 from canntrain_core.models.rollout import Rollout, layout
 
@@ -50,10 +53,15 @@ class EngineSample:
     seconds: float  # the engine's time on it
 
 
+def find_vllm_python(explicit: str | None = None) -> str | None:
+    """The vLLM environment's interpreter: ``explicit`` (``rlhf.rollout.python``), ``$CANNTRAIN_VLLM_PYTHON``, or the
+    repository's ``.venv-vllm`` when there is one; None when none is named or made."""
+    return explicit or os.environ.get("CANNTRAIN_VLLM_PYTHON") or (str(REPO_VENV) if REPO_VENV.is_file() else None)
+
+
 def vllm_python(cfg) -> str:
-    """The vLLM environment's interpreter: ``rlhf.rollout.python``, ``$CANNTRAIN_VLLM_PYTHON``, or the repository's
-    ``.venv-vllm``."""
-    found = cfg.python or os.environ.get("CANNTRAIN_VLLM_PYTHON") or (str(REPO_VENV) if REPO_VENV.is_file() else None)
+    """:func:`find_vllm_python` for ``rlhf.rollout``, or one line saying how to make one."""
+    found = find_vllm_python(cfg.python)
     if not found:
         raise RolloutEngineFailed(
             "rlhf.rollout.backend vllm: no vLLM environment; `make vllm-env` makes .venv-vllm, or set "
@@ -82,6 +90,7 @@ class VLLMEngine:
         self.url = cfg.url.rstrip("/") if cfg.url else None
         self.version = version
         self.requests = ThreadPoolExecutor(1, thread_name_prefix="vllm-rollout")  # one at a time, in order
+        self.group = None  # rank 0's weight-broadcast group with the engine's workers, once joined
 
     # ---- the process ----
     def start(self) -> None:
@@ -106,6 +115,9 @@ class VLLMEngine:
         cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         cmd += ["--max-model-len", str(c.max_model_len)] if c.max_model_len else []
         cmd += ["--enforce-eager"] if c.enforce_eager else []
+        # On a CPU the engine shares the trainer's cores: vLLM's worker and engine-core processes busy-poll their
+        # queues for a second after each request, and the trainer's next forward ran 15x slower (measured here)
+        cmd += ["--single-process"] if self.device_type == "cpu" and c.tensor_parallel_size == 1 else []
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # canntrain's environment must not leak into vLLM's
         if c.kv_cache_gib:
@@ -208,3 +220,51 @@ class VLLMEngine:
         out = self.requests.submit(self._post, "/load_weights", {"path": str(self.weights), "version": version})
         self.version = version
         return out.result()["seconds"]
+
+    # ---- weights by broadcast ----
+    def join_weight_group(self) -> None:
+        """Rank 0: open the broadcast group with the engine's workers. The engine reaches this process at
+        ``$MASTER_ADDR`` (127.0.0.1 when unset: an engine on this node)."""
+        host, port, size = os.environ.get("MASTER_ADDR", "127.0.0.1"), _free_port(), 1 + self.cfg.tensor_parallel_size
+        timeout = self.cfg.start_timeout_s
+        body = {"host": host, "port": port, "size": size, "timeout_s": timeout}
+        joined = self.requests.submit(self._post, "/join_weights", body)
+        opened: Future = Future()
+
+        def open_mine() -> None:  # a thread: a group whose other end failed would block to its timeout
+            try:
+                opened.set_result(open_group(host, port, 0, size, self.device_type, timeout))
+            except BaseException as e:
+                opened.set_exception(e)
+
+        threading.Thread(target=open_mine, daemon=True).start()
+        while not opened.done():
+            if joined.done() and joined.exception() is not None:
+                raise joined.exception()
+            time.sleep(0.05)
+        self.group = opened.result()[0]
+        joined.result()
+
+    def send_weights(self, params: list, tensors, version: int) -> float:
+        """Every rank: iterate ``tensors`` (a sharded model gathers each), rank 0 broadcasting each to the engine's
+        workers, which load them as they arrive; then the prefix cache reset. ``params``: the (name, shape) list in
+        the tensors' order. The seconds the engine took (rank 0)."""
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return 0.0
+        receiving = self.requests.submit(
+            self._post, "/receive_weights", {"params": params, "dtype": self.dtype, "version": version}
+        )
+        try:
+            for tensor in tensors:
+                work = start_broadcast(self.group, tensor)
+                while not work.is_completed():  # a receiver that failed would leave it pending to the timeout
+                    if receiving.done() and receiving.exception() is not None:
+                        raise receiving.exception()
+                    time.sleep(0.001)
+                work.wait()
+        except RuntimeError as e:  # the other end of the group is gone
+            raise RolloutEngineFailed(self._gone("/receive_weights", e)) from e
+        self.version = version
+        return receiving.result()["seconds"]

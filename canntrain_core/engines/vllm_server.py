@@ -15,6 +15,10 @@ Endpoints (JSON in and out, one request at a time, in the order they arrive):
   (after temperature: what it sampled from), the weights version that sampled them and the seconds it took;
 - ``POST /load_weights``: ``{"path": DIR, "version": N}``: vLLM's in-place ``reload_weights`` from the safetensors
   in DIR, then the prefix cache reset (a cached prompt's keys were computed by the old weights);
+- ``POST /join_weights``: ``{"host", "port", "size", "timeout_s"}``: every worker joins the trainer's weight group
+  (``weight_sync.py``, this file's neighbour, which vLLM mixes into its workers);
+- ``POST /receive_weights``: ``{"params": [[name, shape], ...], "dtype", "version"}``: every worker receives the
+  tensors the trainer broadcasts, in that order, loading each as it arrives; then the prefix cache reset;
 - ``POST /shutdown``.
 """
 
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -49,6 +55,8 @@ class Engine:
             seed=args.seed,
             logprobs_mode="processed_logprobs",  # after temperature: the distribution each token was drawn from
             generation_config="vllm",  # the recipe's sampling settings, not the model directory's defaults
+            worker_extension_cls="weight_sync.WeightReceiver",  # the broadcast path's receiving end
+            **({"distributed_executor_backend": "uni"} if args.single_process else {}),
             **kwargs,
         )
         self.jobs: queue.Queue = queue.Queue()
@@ -98,6 +106,17 @@ class Engine:
         self.version = body["version"]
         return {"version": self.version, "seconds": time.perf_counter() - started}
 
+    def join_weights(self, body: dict) -> dict:
+        self.llm.collective_rpc("canntrain_join", kwargs=body)
+        return {}
+
+    def receive_weights(self, body: dict) -> dict:
+        started = time.perf_counter()
+        got = self.llm.collective_rpc("canntrain_receive", kwargs={"params": body["params"], "dtype": body["dtype"]})
+        self.llm.reset_prefix_cache()
+        self.version = body["version"]
+        return {"version": self.version, "bytes": got[0], "seconds": time.perf_counter() - started}
+
 
 def handler_for(engine: Engine, server_ref: list):
     class Handler(BaseHTTPRequestHandler):
@@ -120,7 +139,12 @@ def handler_for(engine: Engine, server_ref: list):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            routes = {"/generate": engine.generate, "/load_weights": engine.load_weights}
+            routes = {
+                "/generate": engine.generate,
+                "/load_weights": engine.load_weights,
+                "/join_weights": engine.join_weights,
+                "/receive_weights": engine.receive_weights,
+            }
             if self.path == "/shutdown":
                 self._reply(200, {})
                 threading.Thread(target=server_ref[0].shutdown, daemon=True).start()
@@ -148,7 +172,19 @@ def main(argv=None) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--single-process",
+        action="store_true",
+        help="vLLM's engine core and its one worker in this process (tensor parallel size 1); what a CPU engine "
+        "beside the trainer wants: vLLM's processes busy-poll their queues for a second after each request",
+    )
     args = p.parse_args(argv)
+    # vLLM's workers import weight_sync.py from beside this file (this process has the folder on its path already,
+    # as a script's; the engine-core processes vLLM starts get it from the environment)
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    if args.single_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vLLM when the engine is made
     engine = Engine(args)
     ref: list = []
     server = ThreadingHTTPServer((args.host, args.port), handler_for(engine, ref))

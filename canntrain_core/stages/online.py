@@ -14,7 +14,7 @@ from concurrent.futures import Future
 
 import torch
 
-from canntrain_core.checkpoint.live import write_live_weights
+from canntrain_core.checkpoint.live import live_tensors, write_live_weights
 from canntrain_core.engines.vllm_engine import EngineSample, VLLMEngine
 from canntrain_core.errors import RolloutEngineFailed
 from canntrain_core.finetune.alignment_data import build_prompt_data
@@ -102,17 +102,23 @@ class OnlineTrainer(Trainer):
         if self.engine is None:
             return {}
         started = time.perf_counter()
-        self._write_policy(with_config=False)
-        if self.rank == 0:
-            self._engine_call(self.engine.load, self.step + 1)
+        if self.recipe.rlhf.rollout.weight_sync == "broadcast":
+            params, tensors = live_tensors(self.policy, self.model_config, self._engine_dtype(), self.acc.device)
+            self._engine_call(self.engine.send_weights, params, tensors, self.step + 1)
+        else:
+            self._write_policy(with_config=False)
+            if self.rank == 0:
+                self._engine_call(self.engine.load, self.step + 1)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # no rank asks for the next batch before the engine holds the new weights
         return {"timing_s/weight_sync": time.perf_counter() - started}
 
+    def _engine_dtype(self) -> torch.dtype:
+        return DTYPES[{"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.engine.dtype]]
+
     def _write_policy(self, with_config: bool) -> None:
-        precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.engine.dtype]
         write_live_weights(
-            self.policy, self.model_config, self.engine.weights, DTYPES[precision], self.rank == 0, with_config
+            self.policy, self.model_config, self.engine.weights, self._engine_dtype(), self.rank == 0, with_config
         )
 
     def _engine_call(self, fn, *args):
@@ -128,6 +134,8 @@ class OnlineTrainer(Trainer):
         self._engine_call(self.engine.start)
         if h.rollout.url and self.rank == 0:  # a server started elsewhere holds other weights: this run's, now
             self._engine_call(self.engine.load, self.step)
+        if h.rollout.weight_sync == "broadcast" and self.rank == 0:
+            self._engine_call(self.engine.join_weight_group)
         return self.engine
 
     def _engine_batches(self, n: int):

@@ -15,7 +15,7 @@ import signal
 import pytest
 import torch
 
-from canntrain_core.engines.vllm_engine import REPO_VENV, SERVER, VLLMEngine
+from canntrain_core.engines.vllm_engine import SERVER, VLLMEngine, find_vllm_python
 from canntrain_core.errors import RolloutEngineFailed
 from canntrain_core.jobs.alignment_start import tiny_start
 from canntrain_core.models.rollout import token_logprobs
@@ -25,7 +25,7 @@ from canntrain_core.train.metrics import read_metrics
 from canntrain_core.train.trainer import runs_root
 from conftest import CONFIGS
 
-PYTHON = os.environ.get("CANNTRAIN_VLLM_PYTHON") or (str(REPO_VENV) if REPO_VENV.is_file() else None)
+PYTHON = find_vllm_python()
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(PYTHON is None, reason="no vLLM environment (make vllm-env)"),
@@ -68,8 +68,11 @@ def _engine_sample(trainer, prompts, n, temperature):
     return got
 
 
-def test_greedy_rollouts_equal_the_local_loop_before_and_after_a_weight_push(start, tmp_path):
-    trainer = _grpo(start, tmp_path)
+@pytest.mark.parametrize("weight_sync", ["files", "broadcast"])
+def test_greedy_rollouts_equal_the_local_loop_before_and_after_a_weight_push(start, tmp_path, weight_sync):
+    """files: the engine reloads safetensors the trainer wrote; broadcast: the tensors arrive over a gloo group
+    between the trainer and vLLM's worker process, and nothing is written after the start."""
+    trainer = _grpo(start, tmp_path, **{"rlhf.rollout.weight_sync": weight_sync})
     try:
         engine = trainer._start_engine()
         assert engine.version == 0
@@ -83,7 +86,10 @@ def test_greedy_rollouts_equal_the_local_loop_before_and_after_a_weight_push(sta
             for p in trainer.policy.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
         trainer.step = 1  # the version the push records
+        written = {f: f.stat().st_mtime_ns for f in engine.weights.iterdir()}
         figures = trainer.push_weights()
+        rewritten = {f: f.stat().st_mtime_ns for f in engine.weights.iterdir()}
+        assert (rewritten == written) == (weight_sync == "broadcast")
         assert figures["timing_s/weight_sync"] > 0 and engine.version == 2
         after = _engine_sample(trainer, prompts, 1, 0.0)
         assert after.version == 2
