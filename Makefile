@@ -77,9 +77,12 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/uv pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# The vLLM rollout tests (tests/engines/test_vllm.py): the trainer in canntrain's environment, the engine in vLLM's.
+# The vLLM rollout tests (tests/engines/, all marked vllm) and grpo.ipynb, whose last cells run only with a vLLM
+# environment: the trainer in canntrain's environment, the engine in vLLM's. The notebook and the tests share the
+# alignment start (tests/conftest.py's temporary $CANNTRAIN_RUNS).
 test-rollout-vllm: $(STAMP) $(VLLM_STAMP)
-	CANNTRAIN_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python OMP_NUM_THREADS=1 $(PY) -m pytest tests -m vllm $(PYTEST_ARGS)
+	CANNTRAIN_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python OMP_NUM_THREADS=1 $(PY) -m pytest tests/engines \
+		cookbook/llama/grpo.ipynb --nbmake --nbmake-timeout=900 $(PYTEST_ARGS)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab cookbook

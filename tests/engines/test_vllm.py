@@ -102,6 +102,10 @@ def test_greedy_rollouts_equal_the_local_loop_before_and_after_a_weight_push(sta
         mask = sampled.rollout.mask.bool()
         diff = (mine - sampled.logprobs).abs()[mask]
         assert mask.sum() > 20 and diff.max() < LOGPROB_TOL, float(diff.max())
+        if weight_sync == "broadcast":  # an engine that cannot take what it is sent: one line, not a wait for ever
+            bad = [("model.embed_tokens.weight", [3, 5]), ("model.norm.weight", [5])]
+            with pytest.raises(RolloutEngineFailed, match="refused /receive_weights"):
+                engine.send_weights(bad, iter([torch.zeros(3, 5), torch.zeros(5)]), 3)
     finally:
         trainer.close()
     assert trainer.engine.proc.poll() is not None  # the run's engine stops with it
