@@ -553,9 +553,35 @@ class LoggingConfig(_Section):
     keep_last: int = Field(3, gt=0)
     # A gradient norm over this many times the median of the last 20 steps' is reported (grad_norm_spikes)
     grad_spike_factor: float | None = Field(10.0, gt=1)
-    # Every metrics.jsonl row's numbers also as TensorBoard scalars in <run_dir>/tensorboard (needs tensorboard)
-    tensorboard: bool = False
+    # Experiment trackers sent every metrics.jsonl row's numbers (the same names, at the same step) and the resolved
+    # recipe as the run's config, from rank 0: tensorboard (<run_dir>/tensorboard), wandb, mlflow, swanlab. Each
+    # writes into the run directory unless its own environment names a server (WANDB_MODE/WANDB_API_KEY,
+    # MLFLOW_TRACKING_URI, SWANLAB_MODE/SWANLAB_API_KEY); a resumed run continues the same tracker run
+    # (train/trackers.py). Each needs its package: tensorboard, wandb, mlflow-skinny, swanlab.
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "swanlab"]] = Field(default_factory=list)
+    # wandb, swanlab: the project; mlflow: the experiment the run goes to. None: experiment.name.
+    tracker_project: str | None = None
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "tensorboard" in data:
+            raise ValueError(
+                "tensorboard is now a tracker: logging.trackers: [tensorboard] (instead of tensorboard: true)"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _trackers(self) -> "LoggingConfig":
+        twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
+        if twice:
+            raise ValueError(f"trackers names {twice[0]} twice")
+        if self.tracker_project is not None and not set(self.trackers) - {"tensorboard"}:
+            raise ValueError(
+                "tracker_project is read by wandb, mlflow and swanlab, and logging.trackers has none of them"
+            )
+        return self
 
 
 class Recipe(_Section):

@@ -31,7 +31,8 @@ def open_group(host: str, port: int, rank: int, size: int, device_type: str, tim
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options), store
     if device_type == "npu":
-        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # torch_npu exists only where CANN does
+        # deferred: optional (torch_npu, which exists only where CANN does)
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
 
         options = ProcessGroupHCCL.Options()
         options._timeout = timeout

@@ -5,14 +5,12 @@ from __future__ import annotations
 import functools
 import json
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from canntrain_core.errors import RecipeError
 from canntrain_core.runtime import Accelerator
 from canntrain_core.runtime.accelerator import DTYPES
 from canntrain_core.sizing.devices import spec_of_device
@@ -61,15 +59,14 @@ def peak_flops(acc: Accelerator, precision: str) -> tuple[float, str]:
 class MetricsLog:
     """Append-only metrics.jsonl: one JSON object per line, flushed as written, and the source of truth.
 
-    ``sinks`` are called with each record once it is in the file (TensorBoard with ``tensorboard=True``, a
-    notebook's ``viz.live.LiveCurves``); a sink with a ``truncate_after(step)`` method is told when a resumed run
-    drops the rows past its checkpoint, one with ``close()`` when the log is closed."""
+    ``sinks`` are called with each record once it is in the file (the trackers of ``logging.trackers``,
+    ``train/trackers.py``; a notebook's ``viz.live.LiveCurves``); a sink with a ``truncate_after(step)`` method is told
+    when a resumed run drops the rows past its checkpoint (-1: a fresh start), one with ``close()`` when the log is
+    closed."""
 
-    def __init__(self, path: str | Path, tensorboard: bool = False):
+    def __init__(self, path: str | Path, sinks: list | None = None):
         self.path = Path(path)
-        self.sinks: list[Callable[[dict[str, Any]], None]] = []
-        if tensorboard:  # logging.tensorboard: its events beside metrics.jsonl
-            self.sinks.append(TensorBoardSink(self.path.parent / "tensorboard"))
+        self.sinks: list[Callable[[dict[str, Any]], None]] = list(sinks or [])
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
@@ -96,56 +93,6 @@ class MetricsLog:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text(kept)
         tmp.replace(self.path)
-
-
-class TensorBoardSink:
-    """A MetricsLog sink: each record's numbers (not its lists or strings) as TensorBoard scalars in ``log_dir``,
-    tagged with the metric's name at global step ``record["step"]``, flushed as written.
-
-    The writer opens at the first record, so only the rank that writes metrics creates the directory. After
-    ``truncate_after(step)`` (a resume, or -1 for a fresh start in the same run directory) the next writer opens
-    with ``purge_step=step + 1``: TensorBoard's readers then drop the earlier events from that step on, and a
-    resumed run shows each step once, as metrics.jsonl does. The writer closes when the sink is garbage-collected
-    or the interpreter exits (nothing is lost before then: every record is flushed)."""
-
-    def __init__(self, log_dir: str | Path):
-        self.log_dir = Path(log_dir)
-        self._summary_writer = summary_writer_class()  # a missing package is reported now, before any step
-        self.writer = None
-        self.purge_step: int | None = None
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        if self.writer is None:
-            self.writer = self._summary_writer(str(self.log_dir), purge_step=self.purge_step)
-            self._close = weakref.finalize(self, self.writer.close)  # at the latest when the interpreter exits
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(key, value, global_step=record["step"])
-        self.writer.flush()
-
-    def truncate_after(self, step: int) -> None:
-        self.close()  # an open writer's events past ``step`` are purged by the next one
-        self.purge_step = step + 1
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self._close()  # closes the writer now, once
-            self.writer = None
-
-
-def summary_writer_class():
-    """torch's SummaryWriter, or a RecipeError naming ``logging.tensorboard`` when tensorboard is not installed.
-    Imported here, not at the top: tensorboard is an optional dependency (pip install tensorboard, or the dev
-    extra) that only ``logging.tensorboard: true`` needs, and importing it costs about a second."""
-    try:
-        # deferred: optional (tensorboard)
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise RecipeError(
-            f"logging.tensorboard: true needs the tensorboard package ({e}); install it with "
-            "`pip install tensorboard` (or `pip install -e .[dev]`), or set logging.tensorboard: false"
-        ) from None
-    return SummaryWriter
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

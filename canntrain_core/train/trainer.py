@@ -52,6 +52,7 @@ from canntrain_core.runtime.watchdog import Whereabouts, describe_failure, is_co
 from canntrain_core.sizing.layout import check_layout
 from canntrain_core.sizing.oom import oom_hint
 from canntrain_core.train.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics
+from canntrain_core.train.trackers import tracker_sinks
 from canntrain_core.train.optim import build_optimizer, build_scheduler
 from canntrain_core.train.health import Health, checkpoint_sentence
 
@@ -236,7 +237,9 @@ class Trainer:
         # Loss scaling only for fp16; bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(self.acc.type, enabled=m.precision == "fp16")
         self.step = 0
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=r.logging.tensorboard)
+        self.metrics = MetricsLog(
+            self.run_dir / "metrics.jsonl", tracker_sinks(r, self.run_dir) if self.rank == 0 else []
+        )
 
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)

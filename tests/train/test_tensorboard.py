@@ -1,5 +1,5 @@
-"""logging.tensorboard: metrics.jsonl's numbers as TensorBoard scalars, read back with TensorBoard's own reader; a
-resumed run shows each step once; without the package the trainer stops at its start, naming the key."""
+"""logging.trackers: [tensorboard]: metrics.jsonl's numbers as TensorBoard scalars, read back with TensorBoard's own
+reader; a resumed run shows each step once; without the package the trainer stops at its start, naming the key."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def assert_same(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> 
 
 
 def test_every_metric_is_a_scalar_at_its_step(tmp_path, fast_recipe):
-    recipe = fast_recipe(**{"optim.max_steps": 6, "logging.eval_interval": 3, "logging.tensorboard": True})
+    recipe = fast_recipe(**{"optim.max_steps": 6, "logging.eval_interval": 3, "logging.trackers": ["tensorboard"]})
     trainer = Trainer(recipe, run_dir=tmp_path, progress=False)
     trainer.fit()
     assert [sink.writer for sink in trainer.metrics.sinks] == [None]  # fit's end closed the writer
@@ -46,7 +46,7 @@ def test_every_metric_is_a_scalar_at_its_step(tmp_path, fast_recipe):
 
 
 def test_a_resumed_run_shows_each_step_once(tmp_path, fast_recipe):
-    recipe = fast_recipe(**{"optim.max_steps": 12, "logging.tensorboard": True})  # checkpoints at 6 and 12
+    recipe = fast_recipe(**{"optim.max_steps": 12, "logging.trackers": ["tensorboard"]})  # checkpoints at 6 and 12
     Trainer(recipe, run_dir=tmp_path, progress=False).fit()
     shutil.rmtree(tmp_path / "checkpoints" / "step_12")  # as if killed after step 12's row, before its checkpoint
     Trainer(recipe, run_dir=tmp_path, resume_from="auto", progress=False).fit()  # rewrites steps 7-12
@@ -58,7 +58,7 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, fast_recipe):
 def test_without_the_package_the_trainer_stops_at_its_start_naming_the_key(tmp_path, fast_recipe, monkeypatch):
     for name in ("tensorboard", "torch.utils.tensorboard"):  # as if tensorboard were not installed
         monkeypatch.setitem(sys.modules, name, None)
-    recipe = fast_recipe(**{"logging.tensorboard": True})
-    with pytest.raises(RecipeError, match=r"logging\.tensorboard: true needs the tensorboard package.*pip install"):
+    recipe = fast_recipe(**{"logging.trackers": ["tensorboard"]})
+    with pytest.raises(RecipeError, match=r"logging\.trackers: tensorboard needs the tensorboard package.*pip install"):
         Trainer(recipe, run_dir=tmp_path, progress=False)
     assert not (tmp_path / "metrics.jsonl").exists()
