@@ -44,10 +44,11 @@ lint: $(STAMP)
 # clone here, install included: 10 min 57 s with three workers and uv, 12 min 28 s with two and pip). A file's tests
 # stay on one worker (its module's shared runs are built once); runs shared across files are cached under a lock
 # (jobs/alignment_start). The notebooks (the longest items, 20-90 s each) are collected first so that the many short
-# test files fill the workers' ends instead of one notebook running alone at the end.
+# test files fill the workers' ends instead of one notebook running alone at the end. CANNTRAIN_VLLM_PYTHON=off:
+# grpo.ipynb's vLLM cells belong to test-rollout-vllm, even where a .venv-vllm was made.
 WORKERS ?= 3
 test: $(STAMP) lint bytecode
-	OMP_NUM_THREADS=1 $(PY) -m pytest cookbook tests -m "not vllm" --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
+	CANNTRAIN_VLLM_PYTHON=off OMP_NUM_THREADS=1 $(PY) -m pytest cookbook tests -m "not vllm" --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The project's bytecode, written once: the suite starts a few hundred Python processes (notebook kernels, torchrun
 # ranks, commands), and where PYTHONDONTWRITEBYTECODE is set each would otherwise compile canntrain from source.

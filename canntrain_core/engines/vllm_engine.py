@@ -55,8 +55,12 @@ class EngineSample:
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
     """The vLLM environment's interpreter: ``explicit`` (``rlhf.rollout.python``), ``$CANNTRAIN_VLLM_PYTHON``, or the
-    repository's ``.venv-vllm`` when there is one; None when none is named or made."""
-    return explicit or os.environ.get("CANNTRAIN_VLLM_PYTHON") or (str(REPO_VENV) if REPO_VENV.is_file() else None)
+    repository's ``.venv-vllm`` when there is one; None when none is named or made, or when
+    ``CANNTRAIN_VLLM_PYTHON=off`` (what ``make test`` sets: it never runs vLLM, whether or not one was made)."""
+    env = os.environ.get("CANNTRAIN_VLLM_PYTHON")
+    if explicit or env == "off":
+        return explicit
+    return env or (str(REPO_VENV) if REPO_VENV.is_file() else None)
 
 
 def vllm_python(cfg) -> str:

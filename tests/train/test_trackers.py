@@ -5,6 +5,7 @@ step twice; a missing package is one line naming the key and the package."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import struct
@@ -18,13 +19,13 @@ from canntrain_core.train.trainer import Trainer
 
 wandb = pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
-pytest.importorskip("swanlab")
 from mlflow.tracking import MlflowClient  # noqa: E402
-from swanlab.proto.swanlab.record.v1 import record_pb2  # noqa: E402
-from swanlab.sdk.internal.core_python.store import DataStoreReader  # noqa: E402
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
-TRACKERS = ["wandb", "mlflow", "swanlab"]
+# SwanLab pins protobuf < 7, which transformers' SentencePiece conversion cannot run under (pyproject's swanlab
+# extra): the dev environment leaves it out, and these tests take it in where it is installed (0.10 here, by hand)
+SWANLAB = importlib.util.find_spec("swanlab") is not None
+TRACKERS = ["wandb", "mlflow"] + ["swanlab"] * SWANLAB
 
 
 @pytest.fixture(autouse=True)
@@ -71,6 +72,10 @@ def wandb_history(run_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def swanlab_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the run's offline logs (a resume offline adds a directory), through SwanLab's own reader."""
+    from swanlab.proto.swanlab.record.v1 import record_pb2
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
     got: dict[str, list[tuple[int, float]]] = {}
     for path in sorted((run_dir / "swanlog").glob("run-*/*.swanlab")):
         reader = DataStoreReader()
@@ -119,11 +124,13 @@ def test_every_number_reaches_each_tracker_once_across_a_resume(tmp_path, fast_r
     }
     for key in ("loss", "val_loss", "lr", "grad_norm"):  # what a resume recomputes exactly
         assert want[key] == final[key], key
-    for name, got in (
-        ("wandb", wandb_history(tmp_path)),
-        ("swanlab", swanlab_scalars(tmp_path)),
-        ("mlflow", mlflow_history(tmp_path, state["mlflow"]["id"], want)),
-    ):
+    readers = {
+        "wandb": lambda: wandb_history(tmp_path),
+        "swanlab": lambda: swanlab_scalars(tmp_path),
+        "mlflow": lambda: mlflow_history(tmp_path, state["mlflow"]["id"], want),
+    }
+    for name in TRACKERS:
+        got = readers[name]()
         got = {k: v for k, v in got.items() if v}
         assert set(got) == set(want), (name, set(got) ^ set(want))
         for key in want:  # each step once, with the value sent
