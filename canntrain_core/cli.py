@@ -30,6 +30,7 @@ COMMAND_MODULES = [
     "canntrain_core.jobs.launch_cli",
     "canntrain_core.jobs.start_cli",  # start (the tiny recipes' starting models and data)
     "canntrain_core.jobs.generate_cli",  # generate (sample from a run, a checkpoint or an export)
+    "canntrain_core.jobs.eval_cli",  # eval (lm-evaluation-harness tasks on a run, a checkpoint or an export)
     "canntrain_core.viz.cli",  # plot (several runs' curves overlaid)
     "canntrain_core.jobs.doctor",  # doctor (environment, rank map, collectives before a job)
     "canntrain_core.jobs.prepare_cli",  # prepare (raw corpora into token shards, once)

@@ -103,6 +103,7 @@ def jsonl(run_dir) -> dict[str, list[tuple[int, float]]]:
     return got
 
 
+@pytest.mark.slow
 def test_every_number_reaches_each_tracker_once_across_a_resume(tmp_path, fast_recipe):
     """Killed after step 9's row with its last checkpoint at 6: the resumed run writes rows 7-12 again. Each tracker
     holds each step once: 1-9 as the first attempt sent them (the losses are the same, a resume being bit-exact;
@@ -137,6 +138,7 @@ def test_every_number_reaches_each_tracker_once_across_a_resume(tmp_path, fast_r
             assert sorted(got[key]) == want[key], (name, key)  # float64 throughout: exact
 
 
+@pytest.mark.slow
 def test_the_resolved_recipe_is_each_runs_config(tmp_path, fast_recipe):
     recipe = fast_recipe(
         **{"optim.max_steps": 2, "logging.trackers": ["mlflow", "wandb"], "logging.tracker_project": "p"}
