@@ -15,8 +15,11 @@ encodes), for models fine-tuned on it; the harness's own ``--apply_chat_template
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
+import datasets
 import torch
 from lm_eval import simple_evaluate
 from lm_eval.api.model import TemplateLM
@@ -159,9 +162,24 @@ def evaluate(
     counted) and its printed table."""
     manager = task_manager(tasks, include_path, Path(work or results_path(source)), n_items)
     lm = CanntrainLM(load_generator(source, dtype=dtype), batch_size=batch_size, chat=chat)
-    out = simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager, bootstrap_iters=1000
-    )
+    harness_log = logging.getLogger("lm_eval")
+    level, bars = harness_log.level, not datasets.are_progress_bars_disabled()
+    harness_log.setLevel(logging.ERROR)  # its per-task progress lines; the table says what was run
+    datasets.disable_progress_bars()  # loading a local task's JSONL is instant
+    quiet = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # the harness's bars over building requests: instant for these tasks
+    try:
+        out = simple_evaluate(
+            model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager, bootstrap_iters=1000
+        )
+    finally:
+        if quiet is None:
+            os.environ.pop("TQDM_DISABLE")
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
+        harness_log.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
     kept = ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
     return {k: out[k] for k in kept if k in out}, make_table(out)
 
