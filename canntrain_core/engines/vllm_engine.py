@@ -114,7 +114,7 @@ class VLLMEngine:
         self.url = f"http://127.0.0.1:{port}"
         c = self.cfg
         cmd = [vllm_python(c), str(SERVER), "--model", str(self.weights), "--port", str(port)]
-        cmd += ["--version", str(self.version), "--dtype", self.dtype]
+        cmd += ["--version", str(self.version), "--dtype", self.dtype, "--parent-pid", str(os.getpid())]
         cmd += ["--tensor-parallel-size", str(c.tensor_parallel_size)]
         cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         cmd += ["--max-model-len", str(c.max_model_len)] if c.max_model_len else []

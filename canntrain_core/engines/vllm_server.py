@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -159,6 +160,14 @@ def handler_for(engine: Engine, server_ref: list):
     return Handler
 
 
+def _stop_with_parent(parent: int) -> None:
+    """A trainer killed outright (SIGKILL, a node's OOM killer) cannot stop its engine, which would keep its devices:
+    once the parent is gone this process group (the server and vLLM's own processes) ends."""
+    while os.getppid() == parent:
+        time.sleep(2)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a Hugging Face model directory (config.json + safetensors)")
@@ -173,6 +182,12 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="stop when this process (the trainer that started the server) is gone, however it ended",
+    )
+    p.add_argument(
         "--single-process",
         action="store_true",
         help="vLLM's engine core and its one worker in this process (tensor parallel size 1); what a CPU engine "
@@ -185,6 +200,8 @@ def main(argv=None) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     if args.single_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vLLM when the engine is made
+    if args.parent_pid:
+        threading.Thread(target=_stop_with_parent, args=(args.parent_pid,), daemon=True).start()
     engine = Engine(args)
     ref: list = []
     server = ThreadingHTTPServer((args.host, args.port), handler_for(engine, ref))

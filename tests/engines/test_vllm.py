@@ -175,3 +175,37 @@ def test_an_engine_that_cannot_start_is_one_line(tmp_path):
     with pytest.raises(RolloutEngineFailed) as e:
         engine.start()
     assert "\n" not in str(e.value) and "exited with code" in str(e.value) and str(engine.log_path) in str(e.value)
+
+
+def test_an_engine_stops_when_the_trainer_that_started_it_is_killed(start, tmp_path):
+    """SIGKILL leaves a trainer no chance to stop its engine, which would hold its devices: the server watches the
+    process that started it and ends its own process group (itself and vLLM's processes) once it is gone."""
+    import subprocess
+    import sys
+    import time
+
+    trainer = (
+        "import subprocess, sys\n"
+        "import os\n"
+        f"p = subprocess.Popen([{PYTHON!r}, {str(SERVER)!r}, '--model', {str(start.sft_hf)!r}, '--port', '0',"
+        " '--enforce-eager', '--single-process', '--kv-cache-gib', '1', '--parent-pid', str(os.getpid())],"
+        " start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid, flush=True)\n"
+        "p.wait()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", trainer], stdout=subprocess.PIPE, text=True)
+    server = int(parent.stdout.readline())
+    time.sleep(3)  # the server is loading the model
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{server}") and "Z" not in _state(server):
+        time.sleep(0.5)
+    assert not os.path.exists(f"/proc/{server}") or "Z" in _state(server), "the engine outlived its trainer"
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

@@ -6,6 +6,7 @@ line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,14 +20,23 @@ from canntrain_core.jobs.generate import load_generator
 from canntrain_core.train.trainer import runs_root
 from conftest import CONFIGS
 
-pytest.importorskip("lm_eval")
-from lm_eval import simple_evaluate  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-
-from canntrain_core.jobs.harness import CanntrainLM, task_manager  # noqa: E402
-
 ITEMS = 24
-pytestmark = pytest.mark.slow  # the alignment start: minutes when no other test has trained it
+pytestmark = [
+    pytest.mark.slow,  # the alignment start: minutes when no other test has trained it
+    pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm_eval is not installed (the eval extra)"),
+]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """The harness and canntrain's side of it, imported when a test runs: 6 s of imports that a deselected
+    module (make test-fast) should not pay at collection."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    from canntrain_core.jobs import harness as ours
+
+    return simple_evaluate, HFLM, ours
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +44,13 @@ def start():
     return tiny_start(runs_root() / "rlhf", CONFIGS)
 
 
-def test_exact_match_through_the_harness_equals_the_check_by_hand(start, tmp_path):
+def test_exact_match_through_the_harness_equals_the_check_by_hand(start, tmp_path, harness):
     """The harness's answers are canntrain's greedy answers to the same chat prompts, and its exact match is
     ``finetune.tasks.score`` over them (this start gets few of the sort items exactly right: the answers are what
     is compared, item by item)."""
-    manager = task_manager(["canntrain_sort"], None, tmp_path, ITEMS)
-    lm = CanntrainLM(load_generator(start.sft_run), chat=True)
+    simple_evaluate, _, ours = harness
+    manager = ours.task_manager(["canntrain_sort"], None, tmp_path, ITEMS)
+    lm = ours.CanntrainLM(load_generator(start.sft_run), chat=True)
     out = simple_evaluate(model=lm, tasks=["canntrain_sort"], task_manager=manager, log_samples=True)
     samples = sorted(out["samples"]["canntrain_sort"], key=lambda s: s["doc_id"])
     items = [json.loads(x) for x in (tmp_path / "tasks" / "canntrain_sort.jsonl").read_text().splitlines()]
@@ -67,12 +78,13 @@ def choice_task(tmp_path) -> str:
     return "sort_choice"
 
 
-def test_canntrain_on_the_run_scores_as_the_harness_own_hflm_on_the_export(start, tmp_path):
-    task_manager(["canntrain_sort"], None, tmp_path, ITEMS)  # writes the items the choice task is made of
+def test_canntrain_on_the_run_scores_as_the_harness_own_hflm_on_the_export(start, tmp_path, harness):
+    simple_evaluate, HFLM, ours = harness
+    ours.task_manager(["canntrain_sort"], None, tmp_path, ITEMS)  # writes the items the choice task is made of
     task = choice_task(tmp_path)
-    manager = task_manager([task], str(tmp_path), tmp_path, ITEMS)
+    manager = ours.task_manager([task], str(tmp_path), tmp_path, ITEMS)
     runs = {
-        "canntrain": CanntrainLM(load_generator(start.sft_run), batch_size=4),
+        "canntrain": ours.CanntrainLM(load_generator(start.sft_run), batch_size=4),
         "hf": HFLM(pretrained=str(start.sft_hf), device="cpu", batch_size=4, dtype="float32"),
     }
     out = {k: simple_evaluate(model=lm, tasks=[task], task_manager=manager, log_samples=True) for k, lm in runs.items()}
@@ -85,7 +97,8 @@ def test_canntrain_on_the_run_scores_as_the_harness_own_hflm_on_the_export(start
     assert acc["canntrain"] == acc["hf"]
 
 
-def test_canntrain_eval_writes_its_results_in_the_run_and_a_bad_task_is_one_line(start, tmp_path):
+def test_canntrain_eval_writes_its_results_in_the_run_and_a_bad_task_is_one_line(start, tmp_path, harness):
+    task_manager = harness[2].task_manager
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "canntrain_core.cli", "eval", str(start.sft_run), "--tasks", "canntrain_add"]
     done = subprocess.run([*cmd, "--chat", "--limit", "8", "--output", str(out)], capture_output=True, text=True)
