@@ -15,7 +15,7 @@ from concurrent.futures import Future
 import torch
 
 from canntrain_core.checkpoint.live import live_tensors, write_live_weights
-from canntrain_core.engines.vllm_engine import EngineSample, VLLMEngine
+from canntrain_core.engines.vllm_engine import VLLM_DTYPES, EngineSample, VLLMEngine
 from canntrain_core.errors import RolloutEngineFailed
 from canntrain_core.finetune.alignment_data import build_prompt_data
 from canntrain_core.finetune.tasks import partial_score, score
@@ -114,7 +114,7 @@ class OnlineTrainer(Trainer):
         return {"timing_s/weight_sync": time.perf_counter() - started}
 
     def _engine_dtype(self) -> torch.dtype:
-        return DTYPES[{"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.engine.dtype]]
+        return DTYPES[{v: k for k, v in VLLM_DTYPES.items()}[self.engine.dtype]]  # vLLM's name back to the recipe's
 
     def _write_policy(self, with_config: bool) -> None:
         write_live_weights(
