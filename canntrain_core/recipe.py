@@ -547,6 +547,16 @@ class LoggingConfig(_Section):
     # train_mode sft: held-out samples whose final answer is generated greedily and scored (exact match)
     # at every evaluation; 0 turns it off.
     eval_exact_match: int = Field(0, ge=0)
+    # train_mode pretrain and sft: lm-evaluation-harness tasks run on the live model at every evaluation (step 0, each
+    # eval_interval, the last step), logged as eval/<task>/<metric>: canntrain's canntrain_<kind> tasks, tasks in
+    # eval_include_path, or any the harness has data for on disk. SFT asks them in its chat template. Every rank
+    # evaluates the same items (FSDP and TP stay in lockstep; not under pipeline, sequence or context parallelism).
+    # Needs the eval extra (lm_eval).
+    eval_tasks: list[str] = Field(default_factory=list)
+    # Items of each of eval_tasks per evaluation (the harness's limit; canntrain_<kind> tasks are made this long).
+    eval_tasks_limit: int = Field(32, gt=0)
+    # A folder of the harness's YAML tasks (over local data) that eval_tasks may name.
+    eval_include_path: str | None = None
     # Steps between checkpoints (and at the last step).
     ckpt_interval: int = Field(100, gt=0)
     # Complete checkpoints kept; older ones are pruned (damaged ones set aside, never deleted).
@@ -675,6 +685,38 @@ class Recipe(_Section):
             why = qlora_problem(self)
             if why:
                 raise ValueError(f"lora.load_in_4bit: {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_tasks(self) -> "Recipe":
+        """logging.eval_tasks runs where the trainer can generate and score in lockstep; its other keys need it."""
+        lg, d = self.logging, self.distributed
+        if not lg.eval_tasks:
+            default = LoggingConfig()  # (a resolved recipe writes every key: defaults are fine)
+            keys = ("eval_tasks_limit", "eval_include_path")
+            unread = [f"logging.{k}" for k in keys if getattr(lg, k) != getattr(default, k)]
+            if unread:
+                raise ValueError(f"{', '.join(unread)}: read only with logging.eval_tasks")
+            return self
+        if self.train_mode not in ("pretrain", "sft"):
+            raise ValueError(
+                f"logging.eval_tasks: train_mode {self.train_mode} scores its held-out prompts itself (val_score); "
+                "the harness runs in the loop of pretrain and sft (canntrain eval runs it on any run)"
+            )
+        split = [
+            f"distributed.{k}"
+            for k, on in (
+                ("pipeline_parallel_size > 1", d.pipeline_parallel_size > 1),
+                ("sequence_parallel", d.sequence_parallel),
+                ("context_parallel_size > 1", d.context_parallel_size > 1),
+            )
+            if on
+        ]
+        if split:
+            raise ValueError(
+                f"logging.eval_tasks: not under {', '.join(split)} (a decode step of one token is not split over "
+                "ranks); run canntrain eval on the run's checkpoints instead"
+            )
         return self
 
     def _alignment_rules(self) -> None:

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny recipe that trains in seconds, with a per-session data cache."""
 
+import json
 import os
 import shutil
 import tempfile
@@ -162,6 +163,26 @@ def task_data(tmp_path, n=4000, kinds=("sort", "upper"), seed=0) -> str:
             Path(tmp_path) / f"tasks-{'-'.join(kinds)}-{n}-{seed}.jsonl", task_records(n, seed=seed, kinds=kinds)
         )
     )
+
+
+def sort_choice_task(folder: Path, n: int, seed: int = 7) -> str:
+    """``sort_choice``, a multiple-choice task in lm-evaluation-harness's YAML format over a local JSONL file in
+    ``folder``: ``n`` sort prompts, each with its answer and the digits as given, reversed."""
+    from canntrain_core.finetune.tasks import task_records
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for r in task_records(n, seed=seed, kinds=("sort",)):
+        given = r["instruction"].split(": ", 1)[1]  # the digits unsorted: the likely mistake
+        rows.append({"prompt": r["instruction"], "choices": [r["output"], given[::-1]], "label": 0})
+    (folder / "choice.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "choice.yaml").write_text(
+        "task: sort_choice\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'choice.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{prompt}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
+    )
+    return "sort_choice"
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     p.add_argument("--chat", action="store_true", help="each context as a user turn of the model's chat template")
     p.add_argument("--n-items", type=int, default=100, help="items of each canntrain_<kind> task (default 100)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="tokens per row (default: the model's positions; logging.eval_tasks in the loop uses data.seq_length)",
+    )
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights' dtype (default fp32)")
     p.add_argument("--output", default=None, help="the results' JSON file (default: <run>/eval/<time>.json)")
     p.set_defaults(func=run)
@@ -62,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         n_items=args.n_items,
         dtype=args.dtype,
         work=out.parent,
+        max_length=args.max_length,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=str))

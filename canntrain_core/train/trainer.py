@@ -240,6 +240,7 @@ class Trainer:
         self.metrics = MetricsLog(
             self.run_dir / "metrics.jsonl", tracker_sinks(r, self.run_dir) if self.rank == 0 else []
         )
+        self.harness_tasks = self._harness_tasks() if r.logging.eval_tasks else None
 
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -643,15 +644,32 @@ class Trainer:
         per_batch = r.data.batch_size * (r.optim.grad_accum_steps if self.schedule is not None else 1)
         return self.data.val_batches(r.logging.eval_batches * r.global_batch_size, per_batch, *self.dp)
 
+    def _harness_tasks(self):
+        """``logging.eval_tasks`` over this run's live model (evaluation/in_loop.py)."""
+        try:  # deferred: an optional dependency (lm-evaluation-harness, the eval extra) and seconds of imports
+            from canntrain_core.evaluation.in_loop import InLoopTasks
+        except ImportError as e:
+            raise BadInput(
+                f"logging.eval_tasks runs EleutherAI's lm-evaluation-harness, which is not installed ({e}): "
+                "pip install lm_eval (or pip install -e .[eval])"
+            ) from None
+        r = self.recipe
+        length = min(r.data.seq_length, self.model_config.max_position_embeddings)
+        return InLoopTasks(self.model, self.data, r.logging, r.data.batch_size, length, self.formats_conversations)
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation loss (for instruction data: the mean over trained tokens); with
-        ``logging.eval_exact_match``, the share of held-out answers generated exactly. No batches
-        (``data.val_fraction: 0``): nothing to evaluate, nothing logged."""
+        ``logging.eval_exact_match``, the share of held-out answers generated exactly; with ``logging.eval_tasks``,
+        the harness's ``eval/<task>/<metric>``. No held-out batches (``data.val_fraction: 0``): no loss."""
+        self.model.eval()
+        tasks = {}
+        if self.harness_tasks is not None:
+            with self.acc.autocast(self.recipe.model.precision):
+                tasks = self.harness_tasks()
         batches = self.val_batches
         if not batches:
-            return {}
-        self.model.eval()
+            return tasks
         sums, counts = [], []
         for batch in batches:
             x, t, kw = self._model_args(batch)
@@ -680,7 +698,7 @@ class Trainer:
                 cached=not sp,
                 multiple_of=self.dims.tp if sp else 1,
             )
-        return out
+        return {**out, **tasks}
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.rank == 0:

@@ -18,7 +18,7 @@ from canntrain_core.finetune.tasks import score
 from canntrain_core.jobs.alignment_start import tiny_start
 from canntrain_core.jobs.generate import load_generator
 from canntrain_core.train.trainer import runs_root
-from conftest import CONFIGS
+from conftest import CONFIGS, sort_choice_task
 
 ITEMS = 24
 pytestmark = [
@@ -34,9 +34,10 @@ def harness():
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from canntrain_core.jobs import harness as ours
+    from canntrain_core.evaluation.harness_run import task_manager
+    from canntrain_core.jobs.harness import language_model
 
-    return simple_evaluate, HFLM, ours
+    return simple_evaluate, HFLM, task_manager, language_model
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,9 @@ def test_exact_match_through_the_harness_equals_the_check_by_hand(start, tmp_pat
     """The harness's answers are canntrain's greedy answers to the same chat prompts, and its exact match is
     ``finetune.tasks.score`` over them (this start gets few of the sort items exactly right: the answers are what
     is compared, item by item)."""
-    simple_evaluate, _, ours = harness
-    manager = ours.task_manager(["canntrain_sort"], None, tmp_path, ITEMS)
-    lm = ours.CanntrainLM(load_generator(start.sft_run), chat=True)
+    simple_evaluate, _, task_manager, language_model = harness
+    manager = task_manager(["canntrain_sort"], None, tmp_path, ITEMS)
+    lm = language_model(start.sft_run, batch_size=ITEMS, chat=True)  # one batch, as generate() decodes them
     out = simple_evaluate(model=lm, tasks=["canntrain_sort"], task_manager=manager, log_samples=True)
     samples = sorted(out["samples"]["canntrain_sort"], key=lambda s: s["doc_id"])
     items = [json.loads(x) for x in (tmp_path / "tasks" / "canntrain_sort.jsonl").read_text().splitlines()]
@@ -61,30 +62,12 @@ def test_exact_match_through_the_harness_equals_the_check_by_hand(start, tmp_pat
     assert out["results"]["canntrain_sort"]["exact_match,none"] == pytest.approx(sum(by_hand) / ITEMS)
 
 
-def choice_task(tmp_path) -> str:
-    """A multiple-choice task in the harness's YAML format over a local JSONL file: each sort prompt with its
-    answer and a wrong one."""
-    items = [json.loads(x) for x in (tmp_path / "tasks" / "canntrain_sort.jsonl").read_text().splitlines()]
-    rows = [
-        {"prompt": i["prompt"] + "\n", "choices": [i["answer"], i["answer"][::-1] + " 0"], "label": 0} for i in items
-    ]
-    (tmp_path / "choice.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "choice.yaml").write_text(
-        "task: sort_choice\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'choice.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{prompt}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
-    )
-    return "sort_choice"
-
-
 def test_canntrain_on_the_run_scores_as_the_harness_own_hflm_on_the_export(start, tmp_path, harness):
-    simple_evaluate, HFLM, ours = harness
-    ours.task_manager(["canntrain_sort"], None, tmp_path, ITEMS)  # writes the items the choice task is made of
-    task = choice_task(tmp_path)
-    manager = ours.task_manager([task], str(tmp_path), tmp_path, ITEMS)
+    simple_evaluate, HFLM, task_manager, language_model = harness
+    task = sort_choice_task(tmp_path, ITEMS)
+    manager = task_manager([task], str(tmp_path), tmp_path, ITEMS)
     runs = {
-        "canntrain": ours.CanntrainLM(load_generator(start.sft_run), batch_size=4),
+        "canntrain": language_model(start.sft_run, batch_size=4),
         "hf": HFLM(pretrained=str(start.sft_hf), device="cpu", batch_size=4, dtype="float32"),
     }
     out = {k: simple_evaluate(model=lm, tasks=[task], task_manager=manager, log_samples=True) for k, lm in runs.items()}
@@ -98,7 +81,7 @@ def test_canntrain_on_the_run_scores_as_the_harness_own_hflm_on_the_export(start
 
 
 def test_canntrain_eval_writes_its_results_in_the_run_and_a_bad_task_is_one_line(start, tmp_path, harness):
-    task_manager = harness[2].task_manager
+    task_manager = harness[2]
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "canntrain_core.cli", "eval", str(start.sft_run), "--tasks", "canntrain_add"]
     done = subprocess.run([*cmd, "--chat", "--limit", "8", "--output", str(out)], capture_output=True, text=True)
