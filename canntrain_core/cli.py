@@ -1,5 +1,5 @@
 """The `canntrain` command line. Each subcommand registers itself through a `register(subparsers)`
-function in one of COMMAND_MODULES (most in jobs/, the top layer, which may import every stage).
+function in its module of COMMANDS (most in jobs/, the top layer, which may import every stage).
 
 Expected failures (:class:`canntrain_core.errors.CanntrainError`) end as one message on stderr,
 ``canntrain <command>: ...``, and the exit code of their kind (2 bad input, 3 out of memory,
@@ -18,29 +18,37 @@ import time
 
 from canntrain_core.errors import CanntrainError
 
-COMMAND_MODULES = [
-    "canntrain_core.jobs.train_cli",  # train
-    "canntrain_core.checkpoint.cli",  # export
-    "canntrain_core.jobs.tasks_cli",  # tasks
-    "canntrain_core.jobs.cli",  # run (notebooks headless)
-    "canntrain_core.jobs.sweep_cli",  # sweep (a grid of notebook runs and their summary)
-    "canntrain_core.jobs.overfit",  # overfit (a few samples must be learned to near-zero loss)
-    "canntrain_core.memory.cli",
-    "canntrain_kernels.cli",
-    "canntrain_core.jobs.launch_cli",
-    "canntrain_core.jobs.start_cli",  # start (the tiny recipes' starting models and data)
-    "canntrain_core.jobs.generate_cli",  # generate (sample from a run, a checkpoint or an export)
-    "canntrain_core.jobs.eval_cli",  # eval (lm-evaluation-harness tasks on a run, a checkpoint or an export)
-    "canntrain_core.viz.cli",  # plot (several runs' curves overlaid)
-    "canntrain_core.jobs.doctor",  # doctor (environment, rank map, collectives before a job)
-    "canntrain_core.jobs.prepare_cli",  # prepare (raw corpora into token shards, once)
-]
+# Each command and the module that registers it. Only the chosen command's module is imported (a command that needs
+# no model, such as doctor on every rank of a job, starts without transformers: 2 s instead of 6 here); --help and an
+# unknown command import them all.
+COMMANDS = {
+    "train": "canntrain_core.jobs.train_cli",
+    "export": "canntrain_core.checkpoint.cli",
+    "tasks": "canntrain_core.jobs.tasks_cli",
+    "run": "canntrain_core.jobs.cli",  # notebooks headless
+    "sweep": "canntrain_core.jobs.sweep_cli",  # a grid of notebook runs and their summary
+    "overfit": "canntrain_core.jobs.overfit",  # a few samples must be learned to near-zero loss
+    "estimate": "canntrain_core.memory.cli",
+    "plan": "canntrain_core.memory.cli",
+    "kernels": "canntrain_kernels.cli",
+    "rank-table": "canntrain_core.jobs.launch_cli",
+    "slurm": "canntrain_core.jobs.launch_cli",
+    "start": "canntrain_core.jobs.start_cli",  # the tiny recipes' starting models and data
+    "generate": "canntrain_core.jobs.generate_cli",  # sample from a run, a checkpoint or an export
+    "eval": "canntrain_core.jobs.eval_cli",  # lm-evaluation-harness tasks on a run, a checkpoint or an export
+    "plot": "canntrain_core.viz.cli",  # several runs' curves overlaid
+    "doctor": "canntrain_core.jobs.doctor",  # environment, rank map, collectives before a job
+    "prepare": "canntrain_core.jobs.prepare_cli",  # raw corpora into token shards, once
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of ``argv``'s command (every command's when it names none of them)."""
     parser = argparse.ArgumentParser(prog="canntrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name in dict.fromkeys([COMMANDS[chosen]] if chosen in COMMANDS else COMMANDS.values()):
         importlib.import_module(name).register(sub)
     return parser
 
@@ -63,7 +71,7 @@ def report_failure(command: str, error: CanntrainError) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except CanntrainError as e:

@@ -56,7 +56,6 @@ from canntrain_core.runtime import get_accelerator
 from canntrain_core.runtime.distributed import ParallelDims
 from canntrain_core.runtime.environment import cann_version, disagreement, rank_environment, torch_npu_version
 from canntrain_core.sizing.devices import bytes_text, parse_bytes
-from canntrain_core.stages import stage_of
 
 ENV_VARS = (  # what steers the launch, the rendezvous and HCCL / NCCL / gloo
     "MASTER_ADDR MASTER_PORT WORLD_SIZE RANK LOCAL_RANK LOCAL_WORLD_SIZE "
@@ -290,6 +289,10 @@ def _extra_ranks(recipe) -> int:
     the recipe separates anything."""
     if recipe.rlhf.device_placement != "separated":
         return 0
+    # deferred: start-up time (the stage table imports every stage, transformers' models with them: 4 s of a rank's
+    # 6 s start here), asked only of a recipe that separates ranks
+    from canntrain_core.stages import stage_of
+
     return stage_of(recipe).extra_ranks(recipe)
 
 
