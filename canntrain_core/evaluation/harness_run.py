@@ -79,18 +79,20 @@ def quiet_and_seeded():
 
 
 def run_tasks(lm, tasks: list[str], manager, limit: int | None = None, num_fewshot: int | None = None) -> dict:
-    """The harness's whole output for ``tasks`` on ``lm`` (an ``lm_eval`` ``LM``)."""
+    """The harness's whole output for ``tasks`` on ``lm`` (an ``lm_eval`` ``LM``); {} on a rank whose LOCAL_RANK is
+    not 0, where the harness scores every request (the same forward passes as rank 0's) but keeps no results."""
     with quiet_and_seeded():
-        return simple_evaluate(
+        out = simple_evaluate(
             model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager, bootstrap_iters=1000
         )
+    return out or {}
 
 
 def flat_scores(results: dict) -> dict[str, float]:
     """``eval/<task>/<metric>`` for each task's numeric metrics (the harness's ``<metric>,<filter>`` with the
-    filter ``none`` dropped, standard errors left out)."""
+    filter ``none`` dropped, standard errors left out); none from a rank the harness kept no results on."""
     out = {}
-    for task, metrics in results["results"].items():
+    for task, metrics in results.get("results", {}).items():
         for name, value in metrics.items():
             if "," not in name or "_stderr" in name or not isinstance(value, (int, float)):
                 continue

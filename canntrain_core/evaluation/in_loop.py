@@ -2,10 +2,11 @@
 ``eval/<task>/<metric>`` (OLMo-core's in-loop downstream evaluation, with the harness's tasks).
 
 Every rank runs the same items and makes the same forward passes (the model's collectives, FSDP's gathers and TP's
-reductions, line up; ``models.rollout.generate`` stops when every rank's answers have ended), so every rank holds the
-same scores and rank 0 logs them. canntrain's tasks are written into a folder of this process's own (each node has
-one, whatever the run directory is). Rows per forward: ``data.batch_size``, what a training forward already holds in
-memory (a 7B model's logits over a 4,096-token row and a 128k vocabulary are 2 GiB in fp32)."""
+reductions, line up; ``models.rollout.generate`` stops when every rank's answers have ended); the harness keeps the
+results on each node's LOCAL_RANK 0 only, and rank 0 logs them. canntrain's tasks are written into a folder of this
+process's own (each node has one, whatever the run directory is). Rows per forward: ``data.batch_size``, what a
+training forward already holds in memory (a 7B model's logits over a 4,096-token row and a 128k vocabulary are 2 GiB
+in fp32)."""
 
 from __future__ import annotations
 
@@ -31,5 +32,6 @@ class InLoopTasks:
         self.lm = CanntrainLM(view, batch_size=batch_size, chat=chat)
 
     def __call__(self) -> dict[str, float]:
-        """``eval/<task>/<metric>`` for every task, ``logging.eval_tasks_limit`` items each."""
+        """``eval/<task>/<metric>`` for every task, ``logging.eval_tasks_limit`` items each ({} where the harness kept
+        no results: a rank past each node's first)."""
         return flat_scores(run_tasks(self.lm, self.tasks, self.manager, self.limit))

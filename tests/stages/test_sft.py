@@ -34,7 +34,7 @@ from canntrain_core.recipe import TemplateConfig, load_recipe
 from canntrain_core.train.metrics import read_metrics
 from canntrain_core.stages import make_trainer
 from canntrain_core.stages.sft import SFTTrainer
-from conftest import SFT, TINY, rows_by_step, task_data
+from conftest import SFT, TINY, rows_by_step, sort_choice_task, task_data
 
 EOS = "<|endoftext|>"
 RECORDS = {
@@ -396,20 +396,37 @@ def test_sft_and_lora_under_fsdp2_tp2_sp_and_cp2_on_2_ranks_match_one_process(sf
         "logging.eval_exact_match": 8,
     }
     lora = {"lora.enabled": True, "lora.dropout": 0.0}  # dropout draws differ by layout
-    layouts = {"sft": {}, "lora": lora, "lora16": {**lora, "model.precision": "bf16"}}  # lora16: a bf16 base
+    # the harness in the loop (logging.eval_tasks): every rank evaluates the same items in lockstep
+    harness = {
+        "logging.eval_tasks": ["canntrain_upper", sort_choice_task(tmp_path / "harness", 8)],
+        "logging.eval_tasks_limit": 8,
+        "logging.eval_include_path": str(tmp_path / "harness"),
+    }
+    layouts = {"sft": harness, "lora": lora, "lora16": {**lora, "model.precision": "bf16"}}  # lora16: a bf16 base
     fsdp = {"distributed.data_parallel_size": 2, "distributed.zero_optimization": 3, "data.batch_size": 4}
     tp2_sp = {"distributed.tensor_parallel_size": 2, "distributed.sequence_parallel": True}  # the packed mask under SP
     cp2 = {"distributed.context_parallel_size": 2, "distributed.zero_optimization": 3}  # packed rows cut in 4 chunks
+    tp2 = {**harness, "distributed.tensor_parallel_size": 2}
     run_layouts(str(TINY), tmp_path, base, [f"{k}_single={json.dumps(v)}" for k, v in layouts.items()])
     launch_layouts(
         TINY,
         tmp_path,
         2,
         base,
-        {**{f"{k}_fsdp2": {**v, **fsdp} for k, v in layouts.items()}, "sft_tp2sp": tp2_sp, "sft_cp2": cp2},
+        {
+            **{f"{k}_fsdp2": {**v, **fsdp} for k, v in layouts.items()},
+            "sft_tp2sp": tp2_sp,
+            "sft_cp2": cp2,
+            "sft_tp2": tp2,
+        },
     )
+    for k in ("sft_fsdp2", "sft_tp2"):  # the harness's scores of 2 ranks are those of one process
+        one, two = ({r["step"]: r for r in read_metrics(tmp_path / n)} for n in ("sft_single", k))
+        scores = [{m: row[m] for m in row if m.startswith("eval/")} for row in (one[0], one[6], two[0], two[6])]
+        assert len(scores[0]) == 2 and scores[0]["eval/sort_choice/acc"] > 0, scores[0]
+        assert scores[:2] == scores[2:], k
     pairs = [("sft_fsdp2", "sft_single"), ("lora_fsdp2", "lora_single"), ("sft_tp2sp", "sft_single")]
-    for k, ref in pairs + [("sft_cp2", "sft_single")]:
+    for k, ref in pairs + [("sft_cp2", "sft_single"), ("sft_tp2", "sft_single")]:
         one, two = ({r["step"]: r for r in read_metrics(tmp_path / n)} for n in (ref, k))
         assert max(abs(one[s]["loss"] - two[s]["loss"]) for s in range(1, 7)) < 2e-4, k
         assert abs(one[6]["val_loss"] - two[6]["val_loss"]) < 2e-4, k
