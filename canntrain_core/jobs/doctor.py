@@ -289,8 +289,8 @@ def _extra_ranks(recipe) -> int:
     the recipe separates anything."""
     if recipe.rlhf.device_placement != "separated":
         return 0
-    # deferred: start-up time (the stage table imports every stage, transformers' models with them: 4 s of a rank's
-    # 6 s start here), asked only of a recipe that separates ranks
+    # The stage table imports every stage, transformers' models with them (4 s of a rank's 6 s start here).
+    # deferred: start-up time, paid only by a recipe that separates ranks
     from canntrain_core.stages import stage_of
 
     return stage_of(recipe).extra_ranks(recipe)
