@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(config, items):
         ):
             item.add_marker(pytest.mark.slow)
     # xdist (--dist loadfile) hands out files in this order as workers free up: the long ones first, so that the
-    # many short files even out the two workers' ends instead of one worker finishing a notebook alone
+    # many short files even out the workers' ends instead of one worker finishing a notebook alone
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
