@@ -94,13 +94,15 @@ class CanntrainLM(TemplateLM):
             ids = torch.full((len(batch), width), self.eot_token_id, dtype=torch.long)
             for j, i in enumerate(batch):
                 ids[j, : len(rows[i][0]) - 1] = torch.tensor(rows[i][0][:-1])
-            logp = torch.log_softmax(self.m.model(ids.to(self.model_device)).float(), dim=-1)
+            logits = self.m.model(ids.to(self.model_device))
             for j, i in enumerate(batch):
                 whole, n = rows[i]
                 span = slice(len(whole) - 1 - n, len(whole) - 1)  # the positions that predict the continuation
+                # fp32 over the continuation's positions only, not the batch's [rows, width, vocab]
+                logp = torch.log_softmax(logits[j, span].float(), dim=-1)
                 target = torch.tensor(whole[-n:], device=logp.device)
-                picked = logp[j, span].gather(-1, target[:, None]).squeeze(-1)
-                out[i] = (float(picked.sum()), bool((logp[j, span].argmax(-1) == target).all()))
+                picked = logp.gather(-1, target[:, None]).squeeze(-1)
+                out[i] = (float(picked.sum()), bool((logp.argmax(-1) == target).all()))
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

@@ -4,9 +4,9 @@
 Every rank runs the same items and makes the same forward passes (the model's collectives, FSDP's gathers and TP's
 reductions, line up; ``models.rollout.generate`` stops when every rank's answers have ended); the harness keeps the
 results on each node's LOCAL_RANK 0 only, and rank 0 logs them. canntrain's tasks are written into a folder of this
-process's own (each node has one, whatever the run directory is). Rows per forward: ``data.batch_size``, what a
-training forward already holds in memory (a 7B model's logits over a 4,096-token row and a 128k vocabulary are 2 GiB
-in fp32)."""
+process's own (each node has one, whatever the run directory is). Rows per forward: ``data.batch_size``, each at
+most ``data.seq_length`` tokens: the forward's logits are [rows, tokens, vocab] in the model's dtype (1 GiB a
+4,096-token row of a 128k vocabulary in bf16), and each continuation is scored in fp32 over its own positions only."""
 
 from __future__ import annotations
 
