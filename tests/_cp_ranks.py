@@ -1,4 +1,5 @@
-"""Torchrun target for tests/parallel/test_context_parallel.py: context-parallel attention on cp gloo ranks.
+"""The ranks of tests/parallel/test_context_parallel.py (``main`` on forked local ranks, or this file under torchrun):
+context-parallel attention on cp gloo ranks.
 
     torchrun --nproc_per_node CP tests/_cp_ranks.py OUT
 

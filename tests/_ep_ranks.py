@@ -1,4 +1,5 @@
-"""Torchrun target for tests/parallel/test_expert_parallel.py: expert parallelism's exchange on 2 gloo ranks.
+"""The ranks of tests/parallel/test_expert_parallel.py (``main`` on forked local ranks, or this file under torchrun):
+expert parallelism's exchange on 2 gloo ranks.
 
     torchrun --nproc_per_node 2 tests/_ep_ranks.py OUT
 

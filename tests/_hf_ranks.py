@@ -1,5 +1,5 @@
-"""Torchrun target for tests/models/test_hf.py: build each family's model under 4-rank layouts, save what each
-rank holds.
+"""The ranks of tests/models/test_hf.py (``main`` on forked local ranks, or this file under torchrun):
+build each family's model under 4-rank layouts, save what each rank holds.
 
     torchrun --nproc_per_node 4 tests/_hf_ranks.py OUT HF_DIR [HF_DIR ...]
 

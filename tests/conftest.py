@@ -203,6 +203,18 @@ class SFTRun:
 
 
 @pytest.fixture(scope="session")
+def start():
+    """What the alignment notebooks start from (``jobs.alignment_start.tiny_start`` in their workdir,
+    $CANNTRAIN_RUNS/rlhf, cached there under this code's version): ``pretrained`` fine-tuned for 100 steps of
+    tiny_sft.yaml on sort/uppercase (answers in the task's format, few of them exactly right), sort prompts and
+    preference pairs. Built once for the session, whichever worker, notebook or test first asks."""
+    from canntrain_core.jobs.alignment_start import tiny_start
+    from canntrain_core.train.trainer import runs_root
+
+    return tiny_start(runs_root() / "rlhf", CONFIGS)
+
+
+@pytest.fixture(scope="session")
 def sft_run(pretrained, data_cache) -> SFTRun:
     """250 steps of full SFT on sort/uppercase from ``pretrained``, exact match scored before and after; the trainer
     is the finished run's, resumed from its last checkpoint."""

@@ -1,4 +1,5 @@
-"""Train one recipe under several parallel layouts in a single torchrun launch.
+"""Train one recipe under several parallel layouts in a single launch: :func:`launch_layouts` from Python (the
+notebooks, the tests), or torchrun from a shell
 
     python -m torch.distributed.run --standalone --nproc_per_node N \\
         -m canntrain_core.jobs.layouts RECIPE OUT OVERRIDES_JSON LAYOUT [LAYOUT...]
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from canntrain_core.jobs.local_ranks import run_local_ranks
 from canntrain_core.recipe import load_recipe
 from canntrain_core.stages import make_trainer
 
@@ -51,30 +53,18 @@ def run_layouts(recipe_path: str, out: str | Path, base: dict, layouts: list[str
 def launch_layouts(
     recipe_path: str | Path, out: str | Path, nproc: int, base: dict, layouts: dict[str, dict], timeout: float = 900
 ) -> str:
-    """Start ``nproc`` local processes (gloo on CPU) that train every layout; return their output.
+    """Train every layout on ``nproc`` local ranks (gloo on CPU) of one job; return the ranks' output, rank 0's first.
 
-    ``layouts`` maps a run name (``NAME``, ``NAME@STEP`` or ``NAME<CHECKPOINT``) to its overrides.
-    Raises RuntimeError with the output's tail when the job fails.
+    ``layouts`` maps a run name (``NAME``, ``NAME@STEP`` or ``NAME<CHECKPOINT``) to its overrides. The ranks are
+    forked from a process that has imported the stack once (:mod:`canntrain_core.jobs.local_ranks`), each keeping its
+    output in OUT/logs/. Raises RuntimeError (``RanksFailed``) with a failed rank's output's tail.
     """
     specs = [f"{name}={json.dumps(o)}" for name, o in layouts.items()]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "canntrain_core.jobs.layouts",
-        str(recipe_path),
-        str(out),
-        json.dumps(base),
-        *specs,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"layouts job failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return proc.stdout
+    launch = time.strftime("%Y%m%d-%H%M%S")
+    outputs = run_local_ranks(
+        run_layouts, (str(recipe_path), str(out), base, specs), nproc, Path(out) / "logs" / launch, timeout=timeout
+    )
+    return "".join(outputs)
 
 
 if __name__ == "__main__":

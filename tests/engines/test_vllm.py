@@ -17,12 +17,10 @@ import torch
 
 from canntrain_core.engines.vllm_engine import SERVER, VLLMEngine, find_vllm_python
 from canntrain_core.errors import RolloutEngineFailed
-from canntrain_core.jobs.alignment_start import tiny_start
 from canntrain_core.models.rollout import token_logprobs
 from canntrain_core.recipe import load_recipe
 from canntrain_core.stages import make_trainer
 from canntrain_core.train.metrics import read_metrics
-from canntrain_core.train.trainer import runs_root
 from conftest import CONFIGS
 
 PYTHON = find_vllm_python()
@@ -37,11 +35,6 @@ ENGINE = {
     "rlhf.rollout.enforce_eager": True,  # no compilation: a start of seconds, not minutes
     "rlhf.rollout.kv_cache_gib": 1,
 }
-
-
-@pytest.fixture(scope="module")
-def start():
-    return tiny_start(runs_root() / "rlhf", CONFIGS)
 
 
 def _grpo(start, tmp_path, resume_from=None, **extra):

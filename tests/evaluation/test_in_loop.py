@@ -14,10 +14,8 @@ from pathlib import Path
 import pytest
 
 from canntrain_core.errors import BadInput
-from canntrain_core.jobs.alignment_start import tiny_start
 from canntrain_core.recipe import load_recipe
 from canntrain_core.stages import make_trainer
-from canntrain_core.train.trainer import runs_root
 from conftest import CONFIGS, rows_by_step, sort_choice_task, task_data
 
 pytestmark = [
@@ -27,11 +25,6 @@ pytestmark = [
 ITEMS = 16
 TASKS = ["canntrain_upper", "sort_choice"]  # generated and exact-matched; scored by log-likelihood (a number > 0)
 METRICS = {"canntrain_upper": "exact_match", "sort_choice": "acc"}
-
-
-@pytest.fixture(scope="module")
-def start():
-    return tiny_start(runs_root() / "rlhf", CONFIGS)
 
 
 def lora_recipe(start, tmp_path, **extra):

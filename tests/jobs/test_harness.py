@@ -15,10 +15,8 @@ import pytest
 
 from canntrain_core.errors import BadInput
 from canntrain_core.finetune.tasks import score
-from canntrain_core.jobs.alignment_start import tiny_start
 from canntrain_core.jobs.generate import load_generator
-from canntrain_core.train.trainer import runs_root
-from conftest import CONFIGS, sort_choice_task
+from conftest import sort_choice_task
 
 ITEMS = 24
 pytestmark = [
@@ -38,11 +36,6 @@ def harness():
     from canntrain_core.jobs.harness import language_model
 
     return simple_evaluate, HFLM, task_manager, language_model
-
-
-@pytest.fixture(scope="module")
-def start():
-    return tiny_start(runs_root() / "rlhf", CONFIGS)
 
 
 def test_exact_match_through_the_harness_equals_the_check_by_hand(start, tmp_path, harness):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,17 +16,19 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import _hf_ranks
 from canntrain_core.cli import main
 from canntrain_core.data import build_data, pretrained_tokenizer
 from canntrain_core.errors import BadInput
 from canntrain_core.checkpoint.export import export_hf
 from canntrain_core.families import FAMILIES
 from canntrain_core.jobs.generate import load_generator
+from canntrain_core.jobs.local_ranks import run_local_ranks
 from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.recipe import load_recipe
 from canntrain_core.train.trainer import Trainer
-from conftest import ROOT, write_hf_model
+from conftest import write_hf_model
 
 VOCAB = 300
 LOGITS_TOL = 1e-5  # fp32; measured 0.0 (one process) and 4.8e-7 (4 ranks)
@@ -113,21 +113,10 @@ def test_sliding_window_attention_gives_transformers_logits_and_decodes_alike(fa
 
 @pytest.fixture(scope="module")
 def four_ranks(family_dirs, tmp_path_factory) -> Path:
-    """One torchrun launch for every family: FSDP2 x TP2 and PP2 x FSDP2, seeded and from init_from, and SGD steps
+    """One 4-rank launch for every family: FSDP2 x TP2 and PP2 x FSDP2, seeded and from init_from, and SGD steps
     under FSDP2 x TP2 (tests/_hf_ranks.py)."""
     out = tmp_path_factory.mktemp("hf-ranks")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        str(ROOT / "tests" / "_hf_ranks.py"),
-        str(out),
-        *(str(path) for path, _ in family_dirs.values()),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_local_ranks(_hf_ranks.main, (str(out), *(str(path) for path, _ in family_dirs.values())), 4, out / "logs")
     return out
 
 
@@ -182,11 +171,7 @@ def test_sgd_under_fsdp2_tp2_equals_one_process(family, layout, family_dirs, fou
     FSDP2 over 4, reach the losses and weights of one process that accumulates the data-parallel ranks' shares:
     every gradient is reduced where it must be (Qwen3's per-head q/k norms, replicated over tp; GPT-2's position
     table, whose output SP splits along the sequence; a router's loss, computed per rank as transformers does)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_hf_ranks", ROOT / "tests" / "_hf_ranks.py")
-    ranks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ranks)
+    ranks = _hf_ranks
     path, _ = family_dirs[family]
     recipe = recipe_from(path)
     model = build_training_model(recipe, model_config(recipe.model), torch.device("cpu")).model

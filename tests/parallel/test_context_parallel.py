@@ -6,14 +6,12 @@ for chunk lengths 3 and 4, GQA (4 query heads, 2 kv heads), MHA with a custom sc
 fp32 within 2e-6.
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
+import _cp_ranks
+from canntrain_core.jobs.local_ranks import run_local_ranks
 from canntrain_core.parallel.context import positions, split, unsplit
-from conftest import ROOT
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -52,12 +50,7 @@ def test_a_sequence_not_divisible_by_2cp_is_refused():
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_and_allgather_attention_equal_full_causal_attention(tmp_path, cp):
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}"]
-        + [str(ROOT / "tests" / "_cp_ranks.py"), str(tmp_path)],
-        check=True,
-        capture_output=True,
-    )
+    run_local_ranks(_cp_ranks.main, (str(tmp_path),), cp, tmp_path / "logs")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(cp)]
     ways = ("ring", "ring_cpu", "allgather")  # ring_cpu: the blocks on torch's flash attention for CPU
     names = {f"{a}_{c}" for a in ways for c in ("mha_scale", "documents", "fp32")}

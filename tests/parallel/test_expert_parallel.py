@@ -6,24 +6,16 @@ tests/parallel/test_distributed.py (in its launches). transformers' logits, the 
 FSDP2 for every MoE family: tests/models/test_hf.py.
 """
 
-import subprocess
-import sys
-
 import pytest
+import torch
 
-from conftest import ROOT
+import _ep_ranks
+from canntrain_core.jobs.local_ranks import run_local_ranks
 
 
 @pytest.mark.slow
 def test_dispatch_and_combine_return_every_token_and_the_experts_compute_transformers_output(tmp_path):
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + [str(ROOT / "tests" / "_ep_ranks.py"), str(tmp_path)],
-        check=True,
-        capture_output=True,
-    )
-    import torch
-
+    run_local_ranks(_ep_ranks.main, (str(tmp_path),), 2, tmp_path / "logs")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert all(r["roundtrip"] for r in ranks)  # exact
     assert ranks[1]["counts"][1] == 0  # expert 3 received no token, and nothing broke

@@ -19,7 +19,7 @@ from canntrain_core.models.lifecycle import build_training_model
 from canntrain_core.models.registry import model_config
 from canntrain_core.models.rollout import generate, layout, token_logprobs
 from canntrain_core.recipe import load_recipe
-from canntrain_core.jobs.alignment_start import tiny_start, trained
+from canntrain_core.jobs.alignment_start import trained
 from canntrain_core.stages import make_trainer
 from canntrain_core.stages.grpo import GRPOTrainer
 from canntrain_core.train.metrics import read_metrics
@@ -58,14 +58,6 @@ TEMPLATE = {
     "optim.weight_decay": 0.0,
     "logging.log_interval": 1,
 }
-
-
-@pytest.fixture(scope="module")
-def start():
-    """What the alignment notebooks start from (``jobs.alignment_start.tiny_start``, in their workdir and cached there
-    under this code's version): 60 steps of pretraining, 100 of SFT (answers in the task's format, about half
-    right), sort prompts and preference pairs."""
-    return tiny_start(WORKDIR, CONFIGS)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +129,7 @@ def test_separated_placement_on_its_own_rank_matches_shared(start, reward_run, t
         TINY, tmp_path, 2, base, {"separated": {"rlhf.device_placement": "separated", "distributed.world_size": 1}}
     )
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each torchrun process: the same reduction order, the same samples
+    torch.set_num_threads(1)  # as each launched rank: the same reduction order, the same samples
     try:
         run_layouts(str(TINY), tmp_path, base, ["shared={}"])
     finally:
