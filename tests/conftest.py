@@ -106,21 +106,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-def shared(name: str, build) -> Path:
-    """$CANNTRAIN_RUNS/<name>, built once for the session by ``build(dir)``: the first test worker that asks builds
-    it (`make test` runs two, pytest-xdist), another waits for it under the lock and reuses it."""
-    from canntrain_core.data.cache import file_lock
-
-    root = Path(os.environ["CANNTRAIN_RUNS"]) / name
-    with file_lock(root.with_name(name + ".lock")):
-        if not (root / ".done").is_file():
-            shutil.rmtree(root, ignore_errors=True)
-            root.mkdir(parents=True)
-            build(root)
-            (root / ".done").write_text("")
-    return root
-
-
 @pytest.fixture(scope="session")
 def data_cache() -> str:
     """The tokenizers and tokenized corpora of the session, shared by the workers (their builds take a lock)."""
@@ -215,40 +200,23 @@ def start():
 
 
 @pytest.fixture(scope="session")
-def sft_run(pretrained, data_cache) -> SFTRun:
-    """250 steps of full SFT on sort/uppercase from ``pretrained``, exact match scored before and after; the trainer
-    is the finished run's, resumed from its last checkpoint."""
+def sft_run(pretrained, tmp_path_factory) -> SFTRun:
+    """sft.ipynb's fine-tune: 200 steps of tiny_sft.yaml on sort/uppercase from ``pretrained``, exact match scored
+    before and after, trained once for the session by whichever of the notebook or a test first asks
+    (``jobs.alignment_start.trained`` in the notebook's workdir, $CANNTRAIN_RUNS/sft); the trainer is the finished
+    run's, and the export this worker's."""
     from canntrain_core.checkpoint.export import export_hf
-    from canntrain_core.data.cache import file_lock
-    from canntrain_core.stages import make_trainer
+    from canntrain_core.jobs.alignment_start import task_file, trained
+    from canntrain_core.train.trainer import runs_root
 
-    TASKS = "tasks-sort-upper-4000-0.jsonl"  # task_data's defaults
-
-    def recipe(d: Path):
-        return load_recipe(
-            None,
-            {
-                **SFT,
-                "model.init_from": str(pretrained),
-                "data.source": str(d / TASKS),
-                "data.cache_dir": data_cache,
-                "optim.max_steps": 250,
-                "optim.lr": 3e-3,
-                "logging.log_interval": 50,
-                "logging.eval_interval": 250,
-                "logging.eval_exact_match": 64,
-            },
-        )
-
-    def build(d: Path) -> None:
-        assert task_data(d) == str(d / TASKS)
-        make_trainer(recipe(d), run_dir=d / "run", progress=False).fit()
-        export_hf(d / "run", d / "hf")
-
-    d = shared("sft_run", build)
-    with file_lock(d.with_name("sft_run.lock")):  # resuming rewrites the run's files: one worker at a time
-        trainer = make_trainer(recipe(d), run_dir=d / "run", resume_from="auto", progress=False)
-    return SFTRun(d / "run", d / "hf", str(d / TASKS), trainer)
+    workdir = runs_root() / "sft"
+    tasks = task_file(workdir, 4000, seed=0, kinds=("sort", "upper"))
+    overrides = {"data.source": str(tasks), "optim.max_steps": 200, "logging.eval_interval": 200}
+    trainer = trained(
+        load_recipe(CONFIGS / "tiny_sft.yaml", {"model.init_from": str(pretrained), **overrides}), workdir, "sft"
+    )
+    hf = export_hf(trainer.run_dir, tmp_path_factory.mktemp("sft") / "hf").out
+    return SFTRun(trainer.run_dir, hf, str(tasks), trainer)
 
 
 def write_hf_model(

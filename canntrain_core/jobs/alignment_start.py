@@ -138,6 +138,17 @@ def pretrained_base(
     return root / "hf"
 
 
+def task_file(workdir: str | Path, n: int = 4000, seed: int = 0, kinds: tuple[str, ...] = ("sort", "upper")) -> Path:
+    """``n`` generated task records of ``kinds`` (``finetune.tasks``) in ``workdir``, written once under a lock: the
+    same path and content each time, so that a recipe naming it is the same recipe and :func:`trained` reuses its run
+    (sft.ipynb and the tests' SFT run)."""
+    path = Path(workdir).resolve() / f"tasks-{'-'.join(kinds)}-{n}-{seed}.jsonl"
+    with file_lock(path.with_name(path.name + ".lock")):
+        if not path.is_file():
+            write_jsonl(path, task_records(n, seed=seed, kinds=kinds))
+    return path
+
+
 def trained(recipe, workdir: str | Path, name: str):
     """A trainer of ``recipe`` that has run to its end in ``workdir/name-<recipe hash>``: trained now, or,
     when an earlier notebook already trained the very same recipe there, loaded from its last checkpoint

@@ -1,7 +1,8 @@
 """Fine-tuning: instruction formats and loss masks, packing, full SFT on the verifiable task, LoRA via peft.
 
-Measured here (tiny Llama pretrained 60 steps on the stdlib, then 250 SFT steps of 32 packed rows on
-the sort/uppercase task): held-out exact match 0.0 before, 0.30 after (19 of 64); the test asserts >= 0.2.
+Measured here (tiny Llama pretrained 60 steps on the stdlib, then sft.ipynb's 200 SFT steps of 32 packed rows on
+the sort/uppercase task, the run the notebook and these tests share): held-out loss 7.82 -> 1.47, exact match 0.00
+-> 0.09 (6 of 64); the test asserts the loss below 0.25 of its start.
 LoRA: peft's PeftModel.from_pretrained on the export gives canntrain's logits to 0.0, the merged export
 to 3e-6 (tolerance 1e-4); LoRA under FSDP2 on 2 gloo ranks matches one process to ~1e-6.
 """
@@ -188,12 +189,13 @@ def test_real_tokens_per_second_is_the_intervals_share_of_real_tokens(tmp_path, 
 def test_sft_on_the_verifiable_task_learns_the_held_out_answers(sft_run):
     rows = [r for r in read_metrics(sft_run.run_dir) if "val_exact_match" in r]
     em, val = [r["val_exact_match"] for r in rows], [r["val_loss"] for r in rows]
-    # Measured over pretraining seeds, data orders and held-out splits: validation loss on the answers' tokens
-    # 8.2 -> 1.0 to 1.4; exact match 0.0 -> 0.0 to 0.33 of 64 held-out answers. A 1.8M-parameter model's exact match
-    # is a steep function of that loss (about eight tokens must all be right), so it is the loss that is asserted;
-    # exact match only starts at zero (the pretrained model does not know the task).
+    # sft.ipynb's 200 steps: validation loss on the answers' tokens 7.82 -> 1.47 (0.19x), exact match 0.00 -> 0.09 of
+    # 64 held-out answers; 250 steps measured 8.2 -> 1.0 to 1.4 and 0.0 to 0.33 over pretraining seeds, data orders
+    # and held-out splits. A 1.8M-parameter model's exact match is a steep function of that loss (about eight tokens
+    # must all be right), so it is the loss that is asserted; exact match only starts at zero (the pretrained model
+    # does not know the task).
     assert em[0] <= 0.05, em
-    assert val[-1] < 0.2 * val[0], val
+    assert val[-1] < 0.25 * val[0], val
     # the batched KV-cached decode (the default) gives the answers of the plain one-prompt-at-a-time decode
     t = sft_run.trainer
     cached, plain = (
@@ -392,8 +394,8 @@ def test_sft_and_lora_under_fsdp2_tp2_sp_and_cp2_on_2_ranks_match_one_process(sf
         "data.batch_size": 8,
         "optim.max_steps": 6,
         "logging.eval_interval": 6,
-        "optim.lr": 1e-3,  # 3e-3 knocks the 250-step model's 3 of 8 right answers to none in these 6 steps
-        "logging.eval_exact_match": 8,
+        "optim.lr": 1e-3,  # 3e-3 knocks the fine-tuned model's few right answers to none in 6 steps
+        "logging.eval_exact_match": 16,  # 1 to 2 of 16 right at step 0 (8 can hold none)
     }
     lora = {"lora.enabled": True, "lora.dropout": 0.0}  # dropout draws differ by layout
     # the harness in the loop (logging.eval_tasks): every rank evaluates the same items in lockstep
