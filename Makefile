@@ -42,7 +42,7 @@ lint: $(STAMP)
 # Three workers (pytest-xdist), one torch thread each, on a 2-core machine: the tiny models' steps gain little from a
 # second thread, and a third worker fills the time the others wait on a subprocess, a launch or a timeout (a fresh
 # clone here, install included: 10 min 57 s with three workers and uv against 12 min 28 s with two and pip at 2d0ab90;
-# 16 min 13 s now, with an empty compile cache as CI has; four workers were no faster: the suite is CPU-bound). A file's tests
+# 13 min 21 s now, with an empty compile cache as CI has; four workers were no faster: the suite is CPU-bound). A file's tests
 # stay on one worker (its module's shared runs are built once); runs shared across files are cached under a lock
 # (jobs/alignment_start). The notebooks (the longest items, 20-90 s each) are collected first so that the many short
 # test files fill the workers' ends instead of one notebook running alone at the end. CANNTRAIN_VLLM_PYTHON=off:
