@@ -140,14 +140,9 @@ SFT = {
 
 
 def task_data(tmp_path, n=4000, kinds=("sort", "upper"), seed=0) -> str:
-    from canntrain_core.finetune.data import write_jsonl
-    from canntrain_core.finetune.tasks import task_records
+    from canntrain_core.jobs.alignment_start import task_file
 
-    return str(
-        write_jsonl(
-            Path(tmp_path) / f"tasks-{'-'.join(kinds)}-{n}-{seed}.jsonl", task_records(n, seed=seed, kinds=kinds)
-        )
-    )
+    return str(task_file(tmp_path, n, seed, tuple(kinds)))
 
 
 def sort_choice_task(folder: Path, n: int, seed: int = 7) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from canntrain_core.engines.weight_sync import open_group, start_broadcast
 from canntrain_core.errors import RolloutEngineFailed
 from canntrain_core.models.rollout import Rollout, layout
+from canntrain_core.runtime.distributed import free_port
 
 SERVER = Path(__file__).with_name("vllm_server.py")
 REPO_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # what `make vllm-env` makes
@@ -76,12 +76,6 @@ def vllm_python(cfg) -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VLLMEngine:
     """The trainer's handle on a vLLM rollout process: start or attach, sample, reload weights, stop."""
 
@@ -110,7 +104,7 @@ class VLLMEngine:
             self.url = box[0]
 
     def _spawn(self) -> None:
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         c = self.cfg
         cmd = [vllm_python(c), str(SERVER), "--model", str(self.weights), "--port", str(port)]
@@ -229,7 +223,7 @@ class VLLMEngine:
     def join_weight_group(self) -> None:
         """Rank 0: open the broadcast group with the engine's workers. The engine reaches this process at
         ``$MASTER_ADDR`` (127.0.0.1 when unset: an engine on this node)."""
-        host, port, size = os.environ.get("MASTER_ADDR", "127.0.0.1"), _free_port(), 1 + self.cfg.tensor_parallel_size
+        host, port, size = os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port(), 1 + self.cfg.tensor_parallel_size
         timeout = self.cfg.start_timeout_s
         body = {"host": host, "port": port, "size": size, "timeout_s": timeout}
         joined = self.requests.submit(self._post, "/join_weights", body)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,10 +61,9 @@ def launch_layouts(
     output in OUT/logs/. Raises RuntimeError (``RanksFailed``) with a failed rank's output's tail.
     """
     specs = [f"{name}={json.dumps(o)}" for name, o in layouts.items()]
-    launch = time.strftime("%Y%m%d-%H%M%S")
-    outputs = run_local_ranks(
-        run_layouts, (str(recipe_path), str(out), base, specs), nproc, Path(out) / "logs" / launch, timeout=timeout
-    )
+    (Path(out) / "logs").mkdir(parents=True, exist_ok=True)
+    logs = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=Path(out) / "logs")  # one folder a launch
+    outputs = run_local_ranks(run_layouts, (str(recipe_path), str(out), base, specs), nproc, logs, timeout=timeout)
     return "".join(outputs)
 
 

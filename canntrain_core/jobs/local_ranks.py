@@ -19,12 +19,13 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from canntrain_core.runtime.distributed import free_port
 
 # What a training rank needs: importing it is most of a rank's start-up (torch, transformers, canntrain).
 TRAINING_STACK = ("canntrain_core.stages",)
@@ -33,13 +34,6 @@ _GRACE_S = 10.0  # after a rank fails, how long the others have to stop on SIGTE
 
 class RanksFailed(RuntimeError):
     """A rank exited non-zero or the job ran past its timeout; the message ends with that rank's output."""
-
-
-def free_port() -> int:
-    """A TCP port on this host that nothing listens on now (the rendezvous of one launch)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(target: Callable, args: tuple, env: dict, cwd: str, log: str) -> None:
@@ -78,8 +72,9 @@ def run_local_ranks(
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     base = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
-    base["LOCAL_WORLD_SIZE"] = str(nproc)
+    base.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc)
+    )
     logs = [log_dir / f"rank{rank}.log" for rank in range(nproc)]
     procs = []
     for rank in range(nproc):

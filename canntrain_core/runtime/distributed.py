@@ -10,6 +10,7 @@ flattened back into `dp_shard` for everything that is not an expert.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -102,6 +103,13 @@ class ParallelDims:
             inner = tuple(n for n in ("dp_shard", "cp") if n in names)
             return mesh[inner]._flatten("dp_shard_cp") if len(inner) > 1 else mesh["cp"]
         return mesh[tuple(n for n in ("dp_replicate", "dp_shard") if n in names)]
+
+
+def free_port() -> int:
+    """A TCP port on this host that nothing listens on now (a local job's rendezvous, a rollout server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_distributed(acc: Accelerator, d: DistributedConfig, extra_ranks: int = 0) -> int:

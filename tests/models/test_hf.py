@@ -171,14 +171,13 @@ def test_sgd_under_fsdp2_tp2_equals_one_process(family, layout, family_dirs, fou
     FSDP2 over 4, reach the losses and weights of one process that accumulates the data-parallel ranks' shares:
     every gradient is reduced where it must be (Qwen3's per-head q/k norms, replicated over tp; GPT-2's position
     table, whose output SP splits along the sequence; a router's loss, computed per rank as transformers does)."""
-    ranks = _hf_ranks
     path, _ = family_dirs[family]
     recipe = recipe_from(path)
     model = build_training_model(recipe, model_config(recipe.model), torch.device("cpu")).model
-    opt = torch.optim.SGD(model.parameters(), lr=ranks.SGD_LR)
+    opt = torch.optim.SGD(model.parameters(), lr=_hf_ranks.SGD_LR)
     losses = []
-    dp = ranks.LAYOUTS[layout]["distributed.data_parallel_size"]
-    for batch in ranks.sgd_batches(VOCAB):
+    dp = _hf_ranks.LAYOUTS[layout]["distributed.data_parallel_size"]
+    for batch in _hf_ranks.sgd_batches(VOCAB):
         loss = sum(model(rows[:, :-1], rows[:, 1:]) for rows in batch.chunk(dp)) / dp  # each rank's share
         loss.backward()
         opt.step()
