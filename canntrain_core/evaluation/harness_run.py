@@ -12,9 +12,11 @@ from pathlib import Path
 import datasets
 import lm_eval.api.model
 import lm_eval.api.task
+import lm_eval.evaluator
 import numpy as np
 import torch
 from lm_eval import simple_evaluate
+from lm_eval.loggers.utils import add_env_info
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
@@ -52,14 +54,21 @@ def _no_bar(iterable=None, *args, **kwargs):
     return iterable
 
 
+def _no_env_info(results: dict) -> None:
+    """In place of the harness's ``add_env_info``: torch's environment report it adds runs ``pip list``, compilers'
+    ``--version`` and more in subprocesses (about 1 s and 0.75 CPU-s here, at every evaluation in the loop), and none
+    of it is in what canntrain keeps (``KEPT``)."""
+
+
 @contextlib.contextmanager
 def quiet_and_seeded():
-    """The harness's progress bars and per-task log lines off (the caller says what ran), and every random state it
-    seeds (Python's, NumPy's, torch's) given back afterwards: a training run evaluated in the loop draws the same
-    dropout masks and batches as one that is not."""
+    """The harness's progress bars, per-task log lines and environment report off (the caller says what ran), and
+    every random state it seeds (Python's, NumPy's, torch's) given back afterwards: a training run evaluated in the
+    loop draws the same dropout masks and batches as one that is not."""
     harness_log = logging.getLogger("lm_eval")
     level, bars = harness_log.level, not datasets.are_progress_bars_disabled()
     harness_log.setLevel(logging.ERROR)
+    lm_eval.evaluator.add_env_info = _no_env_info
     datasets.disable_progress_bars()  # loading a local task's JSONL is instant
     # the harness's bars over building and tokenizing requests (instant here): tqdm reads TQDM_DISABLE at its import
     for module in BARS:
@@ -73,6 +82,7 @@ def quiet_and_seeded():
         np.random.set_state(np_state)
         for module in BARS:
             module.tqdm = tqdm
+        lm_eval.evaluator.add_env_info = add_env_info
         harness_log.setLevel(level)
         if bars:
             datasets.enable_progress_bars()

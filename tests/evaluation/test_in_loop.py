@@ -119,3 +119,35 @@ def test_without_the_harness_installed_the_key_is_one_line(tmp_path, fast_recipe
     recipe = fast_recipe(**{"logging.eval_tasks": ["canntrain_sort"]})
     with pytest.raises(BadInput, match=r"logging\.eval_tasks runs EleutherAI's lm-evaluation-harness.*pip install"):
         make_trainer(recipe, run_dir=tmp_path / "run", progress=False)
+
+
+def test_a_harness_run_skips_the_harness_environment_report(tmp_path):
+    """run_tasks leaves out the harness's add_env_info (torch's environment report: pip list and compilers' versions
+    in subprocesses, about a second at every in-loop evaluation, none of it kept) and puts it back afterwards."""
+    import lm_eval.evaluator
+    from lm_eval.api.model import LM
+    from lm_eval.loggers.utils import add_env_info
+
+    from canntrain_core.evaluation.harness_run import run_tasks, task_manager
+
+    class Constant(LM):  # the harness needs some model; what is under test is what run_tasks asks of the harness
+        def loglikelihood(self, requests):
+            return [(-1.0, True) for _ in requests]
+
+        def loglikelihood_rolling(self, requests):
+            return [-1.0 for _ in requests]
+
+        def generate_until(self, requests):
+            return ["" for _ in requests]
+
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
+    (tmp_path / "tiny.yaml").write_text(
+        "task: tiny\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n"
+    )
+    out = run_tasks(Constant(), ["tiny"], task_manager(["tiny"], str(tmp_path), tmp_path / "w", 1))
+    assert "word_perplexity,none" in out["results"]["tiny"]
+    assert "pretty_env_info" not in out and "transformers_version" not in out
+    assert lm_eval.evaluator.add_env_info is add_env_info

@@ -108,6 +108,7 @@ def runs(tmp_path_factory, data_cache):
         "data.batch_size": 8,
         "optim.max_steps": 4,  # a run's time is mostly its steps: 4 with a checkpoint at 2 to resume from
         "logging.eval_interval": 2,
+        "logging.eval_batches": 1,  # one global batch of 8 held-out rows, split over the data-parallel ranks
         "logging.ckpt_interval": 100,
     }
     run_layouts(
