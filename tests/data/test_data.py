@@ -82,6 +82,32 @@ def test_directory_source(tmp_path):
     ]
 
 
+def test_a_directory_lists_files_through_links_but_not_linked_folders(tmp_path):
+    """The listing's rules, one case each: hidden names, __pycache__ and site-packages are left out, and so are empty
+    files, a dangling link and a link to a folder (os.walk's default); a link to a file is that file."""
+    root = tmp_path / "texts"
+    (root / "sub" / "deeper").mkdir(parents=True)
+    for folder in (".hidden", "__pycache__", "site-packages"):
+        (root / folder).mkdir()
+        (root / folder / "x.txt").write_text("left out\n")
+    (root / "sub" / "deeper" / "b.txt").write_text("b\n")
+    (root / "sub.txt").write_text("sorted by path, not by walk\n")
+    (root / ".dot.txt").write_text("hidden\n")
+    (root / "empty.txt").write_text("")
+    (root / "records.jsonl").write_text('{"text": "r"}\n')
+    (root / "link.txt").symlink_to(root / "sub" / "deeper" / "b.txt")
+    (root / "linked_folder").symlink_to(root / "sub")
+    (root / "dangling.txt").symlink_to(root / "missing.txt")
+    listed = list_inputs(str(root))
+    assert [(i.name, i.kind) for i in listed] == [
+        ("link.txt", "text"),
+        ("records.jsonl", "jsonl"),
+        ("sub.txt", "text"),
+        ("sub/deeper/b.txt", "text"),
+    ]
+    assert listed[0].path == str(root / "link.txt") and listed[0].size == 2
+
+
 def test_jsonl_source_and_errors(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"body": "one"}\n\n{"body": "two", "x": 1}\n')
