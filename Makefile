@@ -45,11 +45,12 @@ lint: $(STAMP)
 # Three workers (pytest-xdist), one torch thread each, on a 2-core machine: the tiny models' steps gain little from a
 # second thread, and a third worker fills the time the others wait on a subprocess, a launch or a timeout (a fresh
 # clone here, install included: 10 min 57 s with three workers and uv against 12 min 28 s with two and pip at 2d0ab90;
-# 13 min 21 s now, with an empty compile cache as CI has; four workers were no faster: the suite is CPU-bound). A file's tests
-# stay on one worker (its module's shared runs are built once); runs shared across files are cached under a lock
-# (jobs/alignment_start). The notebooks (the longest items, 20-90 s each) are collected first so that the many short
-# test files fill the workers' ends instead of one notebook running alone at the end. CANNTRAIN_VLLM_PYTHON=off:
-# grpo.ipynb's vLLM cells belong to test-rollout-vllm, even where a .venv-vllm was made.
+# 12 min 2 s and 12 min 27 s now, with empty compile and data caches as CI has; four workers were no faster: the suite
+# is CPU-bound). A file's tests stay on one worker (its module's shared runs are built once); runs shared across files
+# are cached under a lock (jobs/alignment_start). xdist hands out the files with the most items first, so the
+# notebooks (one item each, 20-75 s) run last, once the runs they share with the tests are built; the workers end
+# within about a minute of one another. CANNTRAIN_VLLM_PYTHON=off: grpo.ipynb's vLLM cells belong to
+# test-rollout-vllm, even where a .venv-vllm was made.
 WORKERS ?= 3
 test: $(STAMP) lint bytecode
 	CANNTRAIN_VLLM_PYTHON=off OMP_NUM_THREADS=1 $(PY) -m pytest cookbook tests -m "not vllm" --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
@@ -60,7 +61,7 @@ bytecode: $(STAMP)
 	$(PY) -m compileall -q canntrain_core canntrain_kernels tests >/dev/null
 
 # The edit loop: unit and single-process tests, no notebooks, no multi-process launches. Two workers, one torch thread
-# each: 1 min 44 s of pytest here against 2 min 23 s in one process with torch's threads.
+# each: 1 min 24 s of pytest here (1 min 31 s for the target) against 2 min 23 s in one process with torch's threads.
 FAST_WORKERS ?= 2
 test-fast: $(STAMP) lint bytecode
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow and not vllm" -n $(FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
