@@ -72,12 +72,18 @@ SLOW_FILES = {
 
 def pytest_configure(config):
     """Every run without a directory of its own (notebooks under nbmake, the alignment tests' shared runs)
-    goes to one temporary $CANNTRAIN_RUNS for the session, never into the checkout."""
+    goes to one temporary $CANNTRAIN_RUNS for the session, never into the checkout; every tokenizer and tokenized
+    corpus without a data.cache_dir to one $CANNTRAIN_CACHE inside it, never into the user's ~/.cache/canntrain (so a
+    second run here prepares what CI's first does)."""
     if not os.environ.get("CANNTRAIN_RUNS"):
         config._canntrain_runs = os.environ["CANNTRAIN_RUNS"] = tempfile.mkdtemp(prefix="canntrain-runs-")
+    if not os.environ.get("CANNTRAIN_CACHE"):
+        config._canntrain_cache = os.environ["CANNTRAIN_CACHE"] = str(Path(os.environ["CANNTRAIN_RUNS"]) / "data-cache")
 
 
 def pytest_unconfigure(config):
+    if getattr(config, "_canntrain_cache", None):
+        del os.environ["CANNTRAIN_CACHE"]
     runs = getattr(config, "_canntrain_runs", None)
     if runs:
         shutil.rmtree(runs, ignore_errors=True)
@@ -110,8 +116,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def data_cache() -> str:
-    """The tokenizers and tokenized corpora of the session, shared by the workers (their builds take a lock)."""
-    return str(Path(os.environ["CANNTRAIN_RUNS"]) / "data-cache")
+    """The tokenizers and tokenized corpora of the session, shared by the workers (their builds take a lock) and
+    the notebooks ($CANNTRAIN_CACHE, unless the caller set one)."""
+    return os.environ["CANNTRAIN_CACHE"]
 
 
 @pytest.fixture
