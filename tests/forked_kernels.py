@@ -33,8 +33,9 @@ import socket
 import struct
 import sys
 
-# Set per kernel by Jupyter, per test by pytest, per rank by torchrun, per run by canntrain: read when used, never at
-# import, so a kernel forked from a zygote started without them behaves as one started with them.
+# Set per kernel by Jupyter, per test by pytest, per rank by torchrun, per run by canntrain, or by libraries at work in
+# the worker: read when used, not at import, so a kernel forked from a zygote started without them behaves as one
+# started with them.
 PER_RUN_PREFIXES = ("JPY_", "PYTEST_", "PYDEVD_", "CANNTRAIN_", "TORCHELASTIC_")
 PER_RUN = {
     "RANK",
@@ -50,6 +51,12 @@ PER_RUN = {
     "MASTER_PORT",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "CUDA_MODULE_LOADING",
+    # set in the workers by what their tests import or run (lm_eval's and scikit-learn's imports, inductor's C++
+    # builder, wandb's service), and read when used (a download, a compile, a tracker)
+    "HF_XET_HIGH_PERFORMANCE",
+    "KMP_DUPLICATE_LIB_OK",
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+    "WANDB_SERVICE",
 }
 # What every notebook imports first (about 5 CPU-s): the stage table pulls in torch, transformers and the models.
 # Not matplotlib: it reads $MPLBACKEND on import, which ipykernel sets in the kernel (its inline backend).
