@@ -51,6 +51,8 @@ PER_RUN = {
     "MASTER_PORT",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "CUDA_MODULE_LOADING",
+    "COLUMNS",  # pytest's terminal size, without workers
+    "LINES",
     # set in the workers by what their tests import or run (lm_eval's and scikit-learn's imports, inductor's C++
     # builder, wandb's service), and read when used (a download, a compile, a tracker)
     "HF_XET_HIGH_PERFORMANCE",

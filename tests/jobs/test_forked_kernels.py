@@ -1,0 +1,59 @@
+"""The suite's notebook kernels, forked from one preloaded process (tests/forked_kernels.py), start as a fresh
+kernel would: the client's directory, first path entry, environment and matplotlib backend, their own random state;
+a client whose environment differs in what a fresh kernel reads at import gets a fresh kernel."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+PROBE = """
+import json, os, random, sys
+print(json.dumps({"parent": open(f"/proc/{os.getppid()}/cmdline").read().replace(chr(0), " "), "cwd": os.getcwd(),
+                  "path0": sys.path[0], "probe": os.environ.get("CANNTRAIN_PROBE"), "mpl": os.environ.get("MPLBACKEND"),
+                  "torch": "torch" in sys.modules, "random": random.random()}))
+"""
+
+pytestmark = pytest.mark.skipif(
+    "canntrain-kernels-" not in os.environ.get("JUPYTER_PATH", ""), reason="kernels are forked under --nbmake only"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zygote_listening():
+    """The session's zygote imports for a few seconds after the session starts; clients before that start fresh."""
+    folder = next(p for p in os.environ["JUPYTER_PATH"].split(os.pathsep) if "canntrain-kernels-" in p)
+    deadline = time.monotonic() + 120
+    while not (Path(folder) / "zygote.sock").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _run_kernel(cwd, **env) -> dict:
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(cwd), env={**os.environ, **env})
+    printed = []
+    try:
+        kc.execute_interactive(PROBE, timeout=60, output_hook=lambda m: printed.append(m["content"].get("text", "")))
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    return json.loads("".join(printed))
+
+
+def test_a_forked_kernel_starts_as_a_fresh_one_would(tmp_path):
+    first = _run_kernel(tmp_path, CANNTRAIN_PROBE="one")
+    second = _run_kernel(tmp_path, CANNTRAIN_PROBE="two")
+    for seen, probe in ((first, "one"), (second, "two")):
+        assert "forked_kernels.py serve" in seen["parent"]  # forked by the session's zygote
+        assert seen["torch"]  # imported before the first cell
+        assert seen["cwd"] == seen["path0"] == str(tmp_path) and seen["probe"] == probe
+        assert seen["mpl"] == "module://matplotlib_inline.backend_inline"  # ipykernel's, as in a fresh kernel
+    assert first["random"] != second["random"]  # reseeded, not the zygote's state copied
+
+
+def test_a_client_whose_environment_differs_at_import_gets_a_fresh_kernel(tmp_path):
+    seen = _run_kernel(tmp_path, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert "forked_kernels.py serve" not in seen["parent"] and not seen["torch"]
+    assert seen["cwd"] == seen["path0"] == str(tmp_path)
