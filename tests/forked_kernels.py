@@ -1,6 +1,6 @@
 """Notebook kernels forked from one process that has already imported torch, transformers and canntrain.
 
-The suite starts a few dozen IPython kernels (nbmake's notebooks, papermill's runs, those of ranks under
+The suite starts 22 IPython kernels (nbmake's notebooks, papermill's runs, those of ranks under
 torchrun), and each pays about 5 CPU-seconds of imports before its first cell does any work: on two cores, a
 minute of the suite's wall clock. Under ``make test`` (``--nbmake``) conftest starts one *zygote* that imports
 them once and serves kernels by ``fork``, the way a forkserver serves ranks, and points Jupyter's ``python3``
@@ -124,6 +124,8 @@ def _preload() -> str:
             __import__(name)
     if shown:
         return f"importing {', '.join(PRELOAD)} printed {shown[0].category.__name__}: {shown[0].message}"
+    if not os.path.isdir("/proc/self/task"):
+        return "this system has no /proc to count the threads in"
     threads = len(os.listdir("/proc/self/task"))
     if threading.active_count() > 1 or threads > 1:
         return f"importing {', '.join(PRELOAD)} left {threads} threads (set OMP_NUM_THREADS=1)"
