@@ -27,11 +27,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import select
 import signal
 import socket
 import struct
 import sys
+import threading
+import traceback
+import warnings
 
 # Set per kernel by Jupyter, per test by pytest, per rank by torchrun, per run by canntrain, or by libraries at work in
 # the worker: read when used, not at import, so a kernel forked from a zygote started without them behaves as one
@@ -116,9 +120,6 @@ def connect(socket_path: str, kernel_argv: list[str]) -> None:
 # ------------------------------------------------------------------------------------------------------ the zygote
 def _preload() -> str:
     """Import PRELOAD; why kernels must not be forked from this process ('' when they may)."""
-    import threading
-    import warnings
-
     with warnings.catch_warnings(record=True) as shown:  # the filters a fresh process has: what it would print
         for name in PRELOAD:
             __import__(name)
@@ -150,23 +151,20 @@ def _become_kernel(request: dict, fds: list[int], preloaded: dict) -> None:
         sys.argv = [importlib.util.find_spec("ipykernel_launcher").origin, *request["argv"]]
         if os.environ.get("JPY_PARENT_PID"):  # the one JPY_ variable ipykernel reads on import (a trait's default)
             sys.argv.append(f"--IPKernelApp.parent_handle={os.environ['JPY_PARENT_PID']}")
-        import random
-
+        # deferred: the client runs this file too and must start in milliseconds; here they are preloaded already
         import numpy
         import torch
+        from ipykernel import kernelapp
 
-        random.seed()
+        random.seed()  # the zygote's state, copied into every kernel, would make them draw the same numbers
         numpy.random.seed()
         torch.seed()
-        from ipykernel import kernelapp
 
         kernelapp.launch_new_instance()
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:
-        import traceback
-
         traceback.print_exc()
     finally:
         sys.stdout.flush()
@@ -230,7 +228,8 @@ def _accept(listener: socket.socket, kernels: dict, start: dict, preloaded: dict
         return False
     differs = _differs(request["env"], start, preloaded)
     if differs or len(fds) != 3:
-        print(f"forked kernels: a fresh kernel, its environment differs in {', '.join(differs)}", file=sys.stderr)
+        why = f"its environment differs in {', '.join(differs)}" if differs else "it sent no stdin, stdout and stderr"
+        print(f"forked kernels: a fresh kernel, {why}", file=sys.stderr)
         for fd in fds:
             os.close(fd)
         conn.sendall(b"0\n")
