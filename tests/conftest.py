@@ -90,8 +90,8 @@ def _start_forked_kernels(config):
     """A session that runs notebooks (``--nbmake``) starts their kernels forked from one that has imported torch,
     transformers and canntrain already (tests/forked_kernels.py), in the controller, before the workers start:
     about 5 CPU-s less for each of the session's kernels. $JUPYTER_PATH points Jupyter's python3 kernel at it."""
-    folder = config._forked_kernels = tempfile.mkdtemp(prefix="canntrain-kernels-")
-    socket_path = os.path.join(folder, "zygote.sock")
+    folder = config._forked_kernels = tempfile.mkdtemp(prefix=forked_kernels.FOLDER_PREFIX)
+    socket_path = forked_kernels.socket_in(folder)
     forked_kernels.kernelspec(folder, socket_path)
     config._jupyter_path = os.environ.get("JUPYTER_PATH")
     os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [folder, config._jupyter_path]))

@@ -68,6 +68,17 @@ PER_RUN = {
 # Not matplotlib: it reads $MPLBACKEND on import, which ipykernel sets in the kernel (its inline backend).
 PRELOAD = ("canntrain_core.stages", "canntrain_core.jobs.alignment_start", "ipykernel.kernelapp")
 _HEADER = struct.Struct("!I")
+FOLDER_PREFIX = "canntrain-kernels-"  # a session's folder: its kernelspec and the zygote's socket
+
+
+def socket_in(folder: str) -> str:
+    """The zygote's socket in the session's folder."""
+    return os.path.join(folder, "zygote.sock")
+
+
+def session_folder() -> str | None:
+    """The folder of this session's forked kernels, on $JUPYTER_PATH (None when kernels are not forked)."""
+    return next((p for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if FOLDER_PREFIX in p), None)
 
 
 def kernelspec(folder: str, socket_path: str) -> None:

@@ -5,10 +5,11 @@ a client whose environment differs in what a fresh kernel reads at import gets a
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 from jupyter_client.manager import start_new_kernel
+
+from forked_kernels import session_folder, socket_in
 
 PROBE = """
 import json, os, random, sys
@@ -17,17 +18,15 @@ print(json.dumps({"parent": open(f"/proc/{os.getppid()}/cmdline").read().replace
                   "torch": "torch" in sys.modules, "random": random.random()}))
 """
 
-pytestmark = pytest.mark.skipif(
-    "canntrain-kernels-" not in os.environ.get("JUPYTER_PATH", ""), reason="kernels are forked under --nbmake only"
-)
+pytestmark = pytest.mark.skipif(session_folder() is None, reason="kernels are forked under --nbmake only")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def zygote_listening():
     """The session's zygote imports for a few seconds after the session starts; clients before that start fresh."""
-    folder = next(p for p in os.environ["JUPYTER_PATH"].split(os.pathsep) if "canntrain-kernels-" in p)
+    socket_path = socket_in(session_folder())
     deadline = time.monotonic() + 120
-    while not (Path(folder) / "zygote.sock").exists() and time.monotonic() < deadline:
+    while not os.path.exists(socket_path) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
