@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny recipe that trains in seconds, with a per-session data cache."""
 
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -84,6 +85,8 @@ def pytest_configure(config):
         config._canntrain_cache = os.environ["CANNTRAIN_CACHE"] = str(Path(os.environ["CANNTRAIN_RUNS"]) / "data-cache")
     if config.getoption("nbmake", False) and not hasattr(config, "workerinput"):
         _start_forked_kernels(config)
+    if forked_kernels.session_folder():  # this process's forkserver (local ranks) is forked by the zygote too
+        multiprocessing.set_executable(forked_kernels.interpreter_in(forked_kernels.session_folder()))
 
 
 def _start_forked_kernels(config):
@@ -99,6 +102,7 @@ def _start_forked_kernels(config):
 
 
 def _stop_forked_kernels(config):
+    multiprocessing.set_executable(sys.executable)
     config._zygote.terminate()
     config._zygote.wait(timeout=30)
     shutil.rmtree(config._forked_kernels, ignore_errors=True)

@@ -20,14 +20,26 @@ runs ``python -m ipykernel_launcher`` itself, as the installed spec does, and th
 - the client's environment differs from the zygote's in a variable read at import time (anything outside what
   Jupyter, pytest, torchrun and canntrain set per run: ``PER_RUN``);
 - the zygote is not (yet) listening.
+
+The same zygote serves multiprocessing's forkservers, which :mod:`canntrain_core.jobs.local_ranks` starts to fork
+ranks from (one per notebook kernel that launches ranks and one per worker: a fresh interpreter importing the same
+stack, about 5 CPU-s each). multiprocessing starts its forkserver as ``EXECUTABLE -B -c "from
+multiprocessing.forkserver import main; main(LISTENER_FD, ALIVE_FD, PRELOAD, ...)"`` with those two descriptors
+passed; in the kernels and the workers EXECUTABLE is this session's ``python`` script, a client that sends them to
+the zygote, whose child takes them at the same numbers and runs that command. Anything else the script is asked to
+run (a spawned process, the resource tracker) execs the real interpreter, as do requests the zygote declines.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
+import multiprocessing
+import multiprocessing.util
 import os
 import random
+import re
 import select
 import signal
 import socket
@@ -68,6 +80,8 @@ PER_RUN = {
 # Not matplotlib: it reads $MPLBACKEND on import, which ipykernel sets in the kernel (its inline backend).
 PRELOAD = ("canntrain_core.stages", "canntrain_core.jobs.alignment_start", "ipykernel.kernelapp")
 _HEADER = struct.Struct("!I")
+# the command multiprocessing.forkserver.ForkServer.ensure_running gives the interpreter it starts
+_FORKSERVER = re.compile(r"from multiprocessing\.forkserver import main; main\((?P<listener>\d+), (?P<alive>\d+), ")
 FOLDER_PREFIX = "canntrain-kernels-"  # a session's folder: its kernelspec and the zygote's socket
 
 
@@ -81,13 +95,26 @@ def session_folder() -> str | None:
     return next((p for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if FOLDER_PREFIX in p), None)
 
 
+def interpreter_in(folder: str) -> str:
+    """The session's ``python`` script: multiprocessing's executable in the kernels and the workers."""
+    return os.path.join(folder, "python")
+
+
 def kernelspec(folder: str, socket_path: str) -> None:
-    """Write ``folder/kernels/python3/kernel.json``: Jupyter's ``python3`` kernel, started through this client."""
+    """Write ``folder/kernels/python3/kernel.json``: Jupyter's ``python3`` kernel, started through this client;
+    and ``folder/python``, an interpreter whose forkservers are forked by the zygote (the rest it runs itself)."""
     spec = os.path.join(folder, "kernels", "python3")
     os.makedirs(spec, exist_ok=True)
     argv = [sys.executable, os.path.abspath(__file__), "connect", socket_path, "-f", "{connection_file}"]
     with open(os.path.join(spec, "kernel.json"), "w") as f:
         json.dump({"argv": argv, "display_name": "Python 3 (ipykernel)", "language": "python"}, f)
+    script = interpreter_in(folder)
+    with open(script, "w") as f:  # Python itself, not a shell: a shell would set $PWD, which the zygote compares
+        f.write(
+            f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+            f"import forked_kernels\nforked_kernels.python({socket_path!r}, sys.argv[1:])\n"
+        )
+    os.chmod(script, 0o755)
 
 
 def _differs(env: dict, start: dict, preloaded: dict) -> list[str]:
@@ -102,19 +129,38 @@ def _differs(env: dict, start: dict, preloaded: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------------------ the client
 def connect(socket_path: str, kernel_argv: list[str]) -> None:
     """Ask the zygote for a kernel; stand in for it until it exits. Without a zygote: become a fresh kernel."""
-    fresh = [sys.executable, "-m", "ipykernel_launcher", *kernel_argv]
+    _stand_in(socket_path, {"kind": "kernel", "argv": kernel_argv}, [0, 1, 2])
+    os.execv(sys.executable, [sys.executable, "-m", "ipykernel_launcher", *kernel_argv])  # no zygote, or declined
+
+
+def python(socket_path: str, args: list[str]) -> None:
+    """``python ARGS``: a forkserver forked by the zygote when ARGS start one; any other command, or a declined
+    request, runs in the real interpreter (the passed descriptors stay open across the exec)."""
+    match = _FORKSERVER.match(args[args.index("-c") + 1]) if "-c" in args[:-1] else None
+    if match:
+        targets = [0, 1, 2, int(match["listener"]), int(match["alive"])]
+        _stand_in(socket_path, {"kind": "forkserver", "args": args, "fds": targets}, targets)
+    os.execv(sys.executable, [sys.executable, *args])
+
+
+def _stand_in(socket_path: str, request: dict, fds: list[int]) -> None:
+    """Send ``request`` (with this process's environment and directory) and ``fds``; when the zygote forks for it,
+    stand in for the child until it exits, then exit with its code. Returns when there is no zygote or it declines."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(socket_path)
-        payload = json.dumps({"argv": kernel_argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-        socket.send_fds(sock, [_HEADER.pack(len(payload))], [0, 1, 2])
+        payload = json.dumps({**request, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        socket.send_fds(sock, [_HEADER.pack(len(payload))], fds)
         sock.sendall(payload)
         reply = sock.makefile("r")
         pid = int(reply.readline() or 0)
     except (OSError, ValueError):
         pid = 0
-    if not pid:  # no zygote, or it declined this kernel
-        os.execv(sys.executable, fresh)
+    if not pid:
+        sock.close()
+        return
+    for fd in fds[3:]:  # the child holds them now
+        os.close(fd)
 
     def forward(signum, _frame):
         try:
@@ -144,34 +190,49 @@ def _preload() -> str:
     return ""
 
 
-def _become_kernel(request: dict, fds: list[int], preloaded: dict) -> None:
-    """In the forked child: take the client's stdio, session, environment (with what the imports set in it, as in a
-    fresh kernel), directory and argv; run ipykernel."""
+def _take_client(request: dict, fds: list[int]) -> None:
+    """In a forked child: the client's descriptors at its numbers, a session of its own, the client's environment
+    (with what the imports set in it, as in a fresh process), directory, and fresh random states."""
+    targets = request.get("fds", range(len(fds)))
+    # above every target first: a target may be the number a received descriptor came in at
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(targets) + 1) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for target, fd in zip(targets, moved):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    # deferred: the client runs this file too and must start in milliseconds; here they are preloaded already
+    import numpy
+    import torch
+
+    random.seed()  # the zygote's state, copied into every child, would make them draw the same numbers
+    numpy.random.seed()
+    torch.seed()
+
+
+def _become(request: dict, fds: list[int], preloaded: dict) -> None:
+    """In the forked child: take the client's place and run what it asked for, ipykernel or a forkserver."""
     code = 1
     try:
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.setsid()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.environ.clear()
-        os.environ.update({**preloaded, **request["env"]})
-        os.chdir(request["cwd"])
-        sys.path[0] = request["cwd"]  # what ``python -m ipykernel_launcher`` puts first
-        sys.argv = [importlib.util.find_spec("ipykernel_launcher").origin, *request["argv"]]
-        if os.environ.get("JPY_PARENT_PID"):  # the one JPY_ variable ipykernel reads on import (a trait's default)
-            sys.argv.append(f"--IPKernelApp.parent_handle={os.environ['JPY_PARENT_PID']}")
-        # deferred: the client runs this file too and must start in milliseconds; here they are preloaded already
-        import numpy
-        import torch
-        from ipykernel import kernelapp
+        _take_client({**request, "env": {**preloaded, **request["env"]}}, fds)
+        if request["kind"] == "forkserver":
+            sys.argv = ["-c"]
+            sys.path[0] = ""  # what ``python -c`` puts first
+            exec(request["args"][request["args"].index("-c") + 1], {"__name__": "__main__"})
+        else:
+            sys.path[0] = request["cwd"]  # what ``python -m ipykernel_launcher`` puts first
+            sys.argv = [importlib.util.find_spec("ipykernel_launcher").origin, *request["argv"]]
+            if os.environ.get("JPY_PARENT_PID"):  # the one JPY_ variable ipykernel reads on import (a trait's default)
+                sys.argv.append(f"--IPKernelApp.parent_handle={os.environ['JPY_PARENT_PID']}")
+            from ipykernel import kernelapp  # deferred, as above
 
-        random.seed()  # the zygote's state, copied into every kernel, would make them draw the same numbers
-        numpy.random.seed()
-        torch.seed()
-
-        kernelapp.launch_new_instance()
+            kernelapp.launch_new_instance()
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -192,12 +253,14 @@ def serve(socket_path: str) -> None:
     if why_not:
         print(f"forked kernels: off, {why_not}; each kernel imports its own", file=sys.stderr)
         return
+    # the kernels' forkservers (local ranks) come here too
+    multiprocessing.set_executable(interpreter_in(os.path.dirname(socket_path)))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path + ".tmp")
     listener.listen(64)
     os.rename(socket_path + ".tmp", socket_path)  # clients that come earlier start fresh kernels
     kernels: dict[int, socket.socket] = {}
-    served = []
+    served = {"kernel": [0, 0], "forkserver": [0, 0]}  # forked, fresh
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
     try:
@@ -205,7 +268,8 @@ def serve(socket_path: str) -> None:
             ready, _, _ = select.select([listener, *kernels.values()], [], [], 0.2)
             for sock in ready:
                 if sock is listener:
-                    served.append(_accept(listener, kernels, start, preloaded))
+                    kind, forked = _accept(listener, kernels, start, preloaded)
+                    served[kind][not forked] += 1
                 else:  # the client is gone (killed): so is its kernel
                     pid = next(p for p, s in kernels.items() if s is sock)
                     _kill(pid)
@@ -215,15 +279,16 @@ def serve(socket_path: str) -> None:
         for pid in kernels:
             _kill(pid)
         os.unlink(socket_path)
-        print(f"forked kernels: {sum(served)} forked, {len(served) - sum(served)} fresh", file=sys.stderr)
+        counts = "; ".join(f"{kind}s: {n} forked, {fresh} fresh" for kind, (n, fresh) in served.items())
+        print(f"forked kernels: {counts}", file=sys.stderr)
 
 
-def _accept(listener: socket.socket, kernels: dict, start: dict, preloaded: dict) -> bool:
-    """Fork a kernel for the client waiting on ``listener``; whether it was forked."""
+def _accept(listener: socket.socket, kernels: dict, start: dict, preloaded: dict) -> tuple[str, bool]:
+    """Fork a kernel or a forkserver for the client waiting on ``listener``; which it asked for, whether forked."""
     conn, _ = listener.accept()
     fds: list[int] = []
     try:
-        header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+        header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 5)
         (size,) = _HEADER.unpack(header)
         data = b""
         while len(data) < size:
@@ -236,28 +301,44 @@ def _accept(listener: socket.socket, kernels: dict, start: dict, preloaded: dict
         for fd in fds:
             os.close(fd)
         conn.close()
-        return False
-    differs = _differs(request["env"], start, preloaded)
-    if differs or len(fds) != 3:
-        why = f"its environment differs in {', '.join(differs)}" if differs else "it sent no stdin, stdout and stderr"
-        print(f"forked kernels: a fresh kernel, {why}", file=sys.stderr)
+        return "kernel", False
+    kind = "forkserver" if request.get("kind") == "forkserver" else "kernel"
+    ours = {listener.fileno(), conn.fileno(), *fds, *(sock.fileno() for sock in kernels.values())}
+    why = _declined(request, fds, _differs(request["env"], start, preloaded), ours)
+    if why:
+        print(f"forked kernels: a fresh {kind}, {why}", file=sys.stderr)
         for fd in fds:
             os.close(fd)
         conn.sendall(b"0\n")
         conn.close()
-        return False
+        return kind, False
     pid = os.fork()
     if pid == 0:
         listener.close()
         conn.close()
         for sock in kernels.values():
             sock.close()
-        _become_kernel(request, fds, preloaded)
+        _become(request, fds, preloaded)
     for fd in fds:
         os.close(fd)
     conn.sendall(f"{pid}\n".encode())
     kernels[pid] = conn
-    return True
+    return kind, True
+
+
+def _declined(request: dict, fds: list[int], differs: list[str], ours: set[int]) -> str:
+    """Why the zygote must not fork for ``request`` ('' when it may)."""
+    if differs:
+        return f"its environment differs in {', '.join(differs)}"
+    if request.get("kind") == "kernel":
+        return "" if len(fds) == 3 else "it sent no stdin, stdout and stderr"
+    if request.get("kind") != "forkserver" or len(fds) != 5 or len(request.get("fds", ())) != 5:
+        return "its request is not a kernel's or a forkserver's"
+    flags = request["args"][: request["args"].index("-c")]
+    if flags != multiprocessing.util._args_from_interpreter_flags():
+        return f"its interpreter flags {flags} are not the zygote's"
+    taken = sorted(set(request["fds"][3:]) & (set(map(int, os.listdir("/proc/self/fd"))) - ours))
+    return f"descriptors {taken} are in use here" if taken else ""
 
 
 def _reap(kernels: dict) -> None:
@@ -289,5 +370,7 @@ def _kill(pid: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve(sys.argv[2])
+    elif sys.argv[1] == "python":
+        python(sys.argv[2], sys.argv[3:])
     else:
         connect(sys.argv[2], sys.argv[3:])

@@ -1,15 +1,18 @@
 """The suite's notebook kernels, forked from one preloaded process (tests/forked_kernels.py), start as a fresh
 kernel would: the client's directory, first path entry, environment and matplotlib backend, their own random state;
-a client whose environment differs in what a fresh kernel reads at import gets a fresh kernel."""
+a client whose environment differs in what a fresh kernel reads at import gets a fresh kernel. multiprocessing's
+forkservers are forked from it too, and its other processes run in the real interpreter."""
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from forked_kernels import session_folder, socket_in
+from forked_kernels import interpreter_in, session_folder, socket_in
 
 PROBE = """
 import json, os, random, sys
@@ -56,3 +59,50 @@ def test_a_client_whose_environment_differs_at_import_gets_a_fresh_kernel(tmp_pa
     seen = _run_kernel(tmp_path, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     assert "forked_kernels.py serve" not in seen["parent"] and not seen["torch"]
     assert seen["cwd"] == seen["path0"] == str(tmp_path)
+
+
+# multiprocessing in a process of the session: a child started the given way reports what it was started from
+MULTIPROCESSING = """
+import json, multiprocessing, os, sys
+
+
+def probe(queue):
+    queue.put({"parent": open(f"/proc/{os.getppid()}/cmdline").read().replace(chr(0), " "), "cwd": os.getcwd(),
+               "torch": "torch" in sys.modules, "probe": os.environ.get("CANNTRAIN_PROBE")})
+
+
+if __name__ == "__main__":
+    multiprocessing.set_executable(sys.argv[1])
+    ctx = multiprocessing.get_context(sys.argv[2])
+    queue = ctx.SimpleQueue()
+    child = ctx.Process(target=probe, args=(queue,))
+    child.start()
+    print(json.dumps(queue.get()))
+    child.join()
+    sys.exit(child.exitcode)
+"""
+
+
+def _multiprocessing_child(tmp_path, method: str) -> dict:
+    script = tmp_path / "start.py"
+    script.write_text(MULTIPROCESSING)
+    env = {**os.environ, "CANNTRAIN_PROBE": method}
+    done = subprocess.run(
+        [sys.executable, str(script), interpreter_in(session_folder()), method],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_forkserver_is_forked_from_the_zygote_and_other_children_run_the_real_interpreter(tmp_path):
+    forked = _multiprocessing_child(tmp_path, "forkserver")
+    assert "forked_kernels.py serve" in forked["parent"]  # its forkserver is the zygote's child, not an interpreter
+    assert forked["torch"] and forked["probe"] == "forkserver" and forked["cwd"] == str(tmp_path)
+    spawned = _multiprocessing_child(tmp_path, "spawn")
+    assert "start.py" in spawned["parent"] and not spawned["torch"]  # a fresh interpreter of its own
+    assert spawned["probe"] == "spawn" and spawned["cwd"] == str(tmp_path)
