@@ -141,10 +141,30 @@ def pytest_collection_modifyitems(config, items):
         ):
             item.add_marker(pytest.mark.slow)
     # xdist (--dist loadfile) hands out the files with the most items first (its default --loadscope-reorder), and
-    # among files of as many items, in this order: the slow ones first. So the notebooks (one item each) come last,
-    # once the runs they share with the tests (the pretrained base, the alignment start) are built; the workers end
-    # within about a minute of one another (a clean clone here: 576, 640 and 650 s after the first test)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # among files of as many items, in this order: the slow ones first, the longest of those first. So the notebooks
+    # (one item each) come last, once the runs they share with the tests (the pretrained base, the alignment start)
+    # are built, and no worker starts a long one while the others are about to end.
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, _longest_first(item)))
+
+
+# The files of one slow item, longest first: each took 30-80 s of a worker in a clean clone's suite here (the rest
+# under 35 s)
+LONGEST_FIRST = (
+    "cookbook/llama/rlhf_ppo.ipynb",
+    "cookbook/llama/lora.ipynb",
+    "cookbook/llama/pretrain.ipynb",
+    "cookbook/moe/pretrain.ipynb",
+    "tests/memory/test_setup_memory.py",
+    "cookbook/gpt/pretrain.ipynb",
+    "cookbook/llama/fused_kernels.ipynb",
+    "cookbook/troubleshooting.ipynb",
+)
+
+
+def _longest_first(item) -> int:
+    """``item``'s place in LONGEST_FIRST (after all of it when not there)."""
+    path = item.path.as_posix()
+    return next((i for i, file in enumerate(LONGEST_FIRST) if path.endswith(f"/{file}")), len(LONGEST_FIRST))
 
 
 @pytest.fixture(scope="session")

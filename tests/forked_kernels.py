@@ -75,6 +75,15 @@ PER_RUN = {
     "KMP_DUPLICATE_LIB_OK",
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
     "WANDB_SERVICE",
+    # set by ipykernel in every kernel (its shell's terminal and pager, its inline matplotlib backend), and so in the
+    # environment a kernel's forkserver is started with; read when a terminal, pager or matplotlib is used
+    "TERM",
+    "CLICOLOR",
+    "CLICOLOR_FORCE",
+    "FORCE_COLOR",
+    "PAGER",
+    "GIT_PAGER",
+    "MPLBACKEND",
 }
 # What every notebook imports first (about 5 CPU-s): the stage table pulls in torch, transformers and the models.
 # Not matplotlib: it reads $MPLBACKEND on import, which ipykernel sets in the kernel (its inline backend).
