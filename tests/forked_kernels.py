@@ -346,8 +346,17 @@ def _declined(request: dict, fds: list[int], differs: list[str], ours: set[int])
     flags = request["args"][: request["args"].index("-c")]
     if flags != multiprocessing.util._args_from_interpreter_flags():
         return f"its interpreter flags {flags} are not the zygote's"
-    taken = sorted(set(request["fds"][3:]) & (set(map(int, os.listdir("/proc/self/fd"))) - ours))
+    taken = [fd for fd in request["fds"][3:] if fd not in ours and _is_open(fd)]
     return f"descriptors {taken} are in use here" if taken else ""
+
+
+def _is_open(fd: int) -> bool:
+    """Whether ``fd`` is open in this process (without opening one, as listing /proc/self/fd would)."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _reap(kernels: dict) -> None:

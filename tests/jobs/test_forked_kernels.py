@@ -83,10 +83,10 @@ if __name__ == "__main__":
 """
 
 
-def _multiprocessing_child(tmp_path, method: str) -> dict:
+def _multiprocessing_child(tmp_path, method: str, **env) -> dict:
     script = tmp_path / "start.py"
     script.write_text(MULTIPROCESSING)
-    env = {**os.environ, "CANNTRAIN_PROBE": method}
+    env = {**os.environ, "CANNTRAIN_PROBE": method, **env}
     done = subprocess.run(
         [sys.executable, str(script), interpreter_in(session_folder()), method],
         cwd=tmp_path,
@@ -106,3 +106,13 @@ def test_a_forkserver_is_forked_from_the_zygote_and_other_children_run_the_real_
     spawned = _multiprocessing_child(tmp_path, "spawn")
     assert "start.py" in spawned["parent"] and not spawned["torch"]  # a fresh interpreter of its own
     assert spawned["probe"] == "spawn" and spawned["cwd"] == str(tmp_path)
+
+
+def test_a_forkserver_the_zygote_declines_runs_in_the_real_interpreter_with_its_descriptors(tmp_path):
+    """A request declined (here: another PYTHONPATH, which a fresh interpreter reads at start) execs the interpreter
+    with the listener and alive pipe multiprocessing passed still open: the forkserver serves its child as usual."""
+    seen = _multiprocessing_child(
+        tmp_path, "forkserver", PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    )
+    assert "forked_kernels.py" not in seen["parent"] and "multiprocessing.forkserver import main" in seen["parent"]
+    assert not seen["torch"] and seen["probe"] == "forkserver" and seen["cwd"] == str(tmp_path)
