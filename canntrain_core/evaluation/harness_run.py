@@ -27,12 +27,22 @@ from canntrain_core.evaluation.harness_tasks import PREFIX, task_kind, write_tas
 KEPT = ("results", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
 
 
-def task_manager(tasks: list[str], include_path: str | None, work: Path, n_items: int, key: str = "--tasks"):
+def task_manager(
+    tasks: list[str],
+    include_path: str | None,
+    work: Path,
+    n_items: int,
+    key: str = "--tasks",
+    include_key: str = "--include_path",
+):
     """The harness's tasks with ``include_path``'s and, for ``canntrain_<kind>`` names, canntrain's own written
-    into ``work/tasks`` (``n_items`` each); a name the harness does not know is one line naming ``key``."""
+    into ``work/tasks`` (``n_items`` each); a name the harness does not know is one line naming ``key``, an include
+    path that is no folder one naming ``include_key``."""
     bad = [t for t in tasks if t.startswith(PREFIX) and task_kind(t) is None]
     if bad:
         raise BadInput(f"{key}: {bad[0]} is no canntrain task (canntrain_reverse, _sort, _add, _upper)")
+    if include_path and not Path(include_path).is_dir():  # the harness would pass over it and miss its tasks
+        raise BadInput(f"{include_key}: {include_path} is no folder (of the harness's YAML tasks)")
     paths = [str(Path(include_path).resolve())] if include_path else []
     ours = sorted({k for k in map(task_kind, tasks) if k})
     if ours:

@@ -25,7 +25,12 @@ class InLoopTasks:
         self.tasks, self.limit = list(logging_config.eval_tasks), logging_config.eval_tasks_limit
         self.work = tempfile.TemporaryDirectory(prefix="canntrain-eval-tasks-")  # removed with this object
         self.manager = task_manager(
-            self.tasks, logging_config.eval_include_path, Path(self.work.name), self.limit, key="logging.eval_tasks"
+            self.tasks,
+            logging_config.eval_include_path,
+            Path(self.work.name),
+            self.limit,
+            key="logging.eval_tasks",
+            include_key="logging.eval_include_path",
         )
         prompt = (lambda text: data.format.prompt((("user", text),))) if chat else None
         view = ModelView(model, data.tokenizer, data.eos_id, (data.eos_id,), max_length, prompt)

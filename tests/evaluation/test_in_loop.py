@@ -113,6 +113,12 @@ def test_an_unknown_task_is_one_line_naming_the_key(tmp_path, fast_recipe):
         make_trainer(recipe, run_dir=tmp_path / "run", progress=False)
 
 
+def test_an_include_path_that_is_no_folder_is_one_line_naming_the_key(tmp_path, fast_recipe):
+    recipe = fast_recipe(**{"logging.eval_tasks": ["tiny"], "logging.eval_include_path": str(tmp_path / "missing")})
+    with pytest.raises(BadInput, match=r"logging\.eval_include_path: .*missing is no folder"):
+        make_trainer(recipe, run_dir=tmp_path / "run", progress=False)
+
+
 def test_without_the_harness_installed_the_key_is_one_line(tmp_path, fast_recipe, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
     monkeypatch.setitem(sys.modules, "canntrain_core.evaluation.in_loop", None)  # nor imported by an earlier test

@@ -84,3 +84,5 @@ def test_canntrain_eval_writes_its_results_in_the_run_and_a_bad_task_is_one_line
         task_manager(["canntrain_sorted"], None, tmp_path, 4)
     with pytest.raises(BadInput, match="no_such_task is no task of the harness"):
         task_manager(["no_such_task"], str(tmp_path), tmp_path, 4)
+    with pytest.raises(BadInput, match=f"--include_path: {tmp_path / 'tasks.yaml'} is no folder"):
+        task_manager(["no_such_task"], str(tmp_path / "tasks.yaml"), tmp_path, 4)
