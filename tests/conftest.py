@@ -86,7 +86,7 @@ def pytest_configure(config):
     if config.getoption("nbmake", False) and not hasattr(config, "workerinput"):
         _start_forked_kernels(config)
     if forked_kernels.session_folder():  # this process's forkserver (local ranks) is forked by the zygote too
-        multiprocessing.set_executable(forked_kernels.interpreter_in(forked_kernels.session_folder()))
+        forked_kernels.use_interpreter(forked_kernels.session_folder())
 
 
 def _start_forked_kernels(config):

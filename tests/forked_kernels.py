@@ -1,6 +1,6 @@
 """Notebook kernels forked from one process that has already imported torch, transformers and canntrain.
 
-The suite starts 22 IPython kernels (nbmake's notebooks, papermill's runs, those of ranks under
+The suite starts about two dozen IPython kernels (nbmake's notebooks, papermill's runs, those of ranks under
 torchrun), and each pays about 5 CPU-seconds of imports before its first cell does any work: on two cores, a
 minute of the suite's wall clock. Under ``make test`` (``--nbmake``) conftest starts one *zygote* that imports
 them once and serves kernels by ``fork``, the way a forkserver serves ranks, and points Jupyter's ``python3``
@@ -117,13 +117,22 @@ def kernelspec(folder: str, socket_path: str) -> None:
     argv = [sys.executable, os.path.abspath(__file__), "connect", socket_path, "-f", "{connection_file}"]
     with open(os.path.join(spec, "kernel.json"), "w") as f:
         json.dump({"argv": argv, "display_name": "Python 3 (ipykernel)", "language": "python"}, f)
+    shebang = f"#!{sys.executable}\n"  # Python itself, not a shell: a shell would set $PWD, which the zygote compares
+    if len(shebang) > 127:  # what older kernels read of the line: forkservers then start as usual
+        return
     script = interpreter_in(folder)
-    with open(script, "w") as f:  # Python itself, not a shell: a shell would set $PWD, which the zygote compares
+    with open(script, "w") as f:
         f.write(
-            f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+            f"{shebang}import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
             f"import forked_kernels\nforked_kernels.python({socket_path!r}, sys.argv[1:])\n"
         )
     os.chmod(script, 0o755)
+
+
+def use_interpreter(folder: str) -> None:
+    """Have multiprocessing start its processes through the session's ``python`` script, where there is one."""
+    if os.path.exists(interpreter_in(folder)):
+        multiprocessing.set_executable(interpreter_in(folder))
 
 
 def _differs(env: dict, start: dict, preloaded: dict) -> list[str]:
@@ -262,8 +271,7 @@ def serve(socket_path: str) -> None:
     if why_not:
         print(f"forked kernels: off, {why_not}; each kernel imports its own", file=sys.stderr)
         return
-    # the kernels' forkservers (local ranks) come here too
-    multiprocessing.set_executable(interpreter_in(os.path.dirname(socket_path)))
+    use_interpreter(os.path.dirname(socket_path))  # the kernels' forkservers (local ranks) come here too
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path + ".tmp")
     listener.listen(64)
