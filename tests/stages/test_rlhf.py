@@ -78,8 +78,8 @@ def reward_run(start) -> Path:
 
 def test_the_reward_model_orders_held_out_pairs_well_above_chance(reward_run):
     acc = [r["val_accuracy"] for r in read_metrics(reward_run) if "val_accuracy" in r]
-    # 128 held-out pairs. Measured 0.62 -> 0.89, 0.41 -> 0.72 and 0.53 -> 0.66 in 100 steps on three orders of the
-    # pretraining data: the untrained head is not at chance (a random projection of the SFT model's last hidden
+    # 128 held-out pairs. Measured 0.53 -> 0.66 in 100 steps (0.62 -> 0.89 and 0.41 -> 0.72 on two other orders of
+    # the pretraining data): the untrained head is not at chance (a random projection of the SFT model's last hidden
     # state already prefers some right answers), and the trained one is well above it.
     assert acc[-1] >= 0.62 and acc[-1] >= acc[0] + 0.08, acc
 
@@ -149,7 +149,7 @@ def _mean(rows: list[float]) -> float:
 def test_grpo_and_ppo_raise_the_true_score(stage, start):
     """From the 100-step SFT model, on sort prompts, rewarded by the checker: the shipped tiny recipes as
     ``grpo.ipynb`` and ``rlhf_ppo.ipynb`` run them. Measured (mean true score of the 64 sampled answers per
-    iteration, first -> last 6 iterations, of 30 for GRPO, 20 for PPO): GRPO 0.374 -> 0.439, PPO 0.349 -> 0.436."""
+    iteration, first -> last 6 iterations, of 30 for GRPO, 20 for PPO): GRPO 0.208 -> 0.277, PPO 0.210 -> 0.270."""
     recipe = load_recipe(
         CONFIGS / f"tiny_{stage}.yaml",
         {
