@@ -43,15 +43,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # Three workers (pytest-xdist), one torch thread each, on a 2-core machine: the tiny models' steps gain little from a
-# second thread, and a third worker fills the time the others wait on a subprocess, a launch or a timeout (a fresh
-# clone here, install included: 10 min 57 s with three workers and uv against 12 min 28 s with two and pip at 2d0ab90;
-# 10 min 18 s to 10 min 57 s now on three clones, with empty compile and data caches as CI has, the notebooks'
-# kernels and the local ranks' forkservers forked from one import (tests/forked_kernels.py); four workers were no
-# faster: the suite is CPU-bound). A file's tests stay on one worker (its module's shared runs are built once); runs shared across files are
-# cached under a lock (jobs/alignment_start). xdist hands out the files with the most items first, so the notebooks
-# (one item each, 9-77 s, the longest first) run last, once the runs they share with the tests are built; the workers
-# end within about a minute of one another. CANNTRAIN_VLLM_PYTHON=off: grpo.ipynb's vLLM cells belong to
-# test-rollout-vllm, even where a .venv-vllm was made.
+# second thread, and a third worker fills the time the others wait on a subprocess, a launch or a timeout (a fresh clone
+# here, install included: 10 min 57 s with three workers and uv against 12 min 28 s with two and pip at 2d0ab90; 10 min
+# 18 s to 10 min 57 s now on three clones, with empty compile and data caches as CI has, the notebooks' kernels and the
+# local ranks' forkservers forked from one import (tests/forked_kernels.py); four workers were no faster: the suite is
+# CPU-bound). A file's tests stay on one worker (its module's shared runs are built once); runs shared across files are
+# cached under a lock (jobs/alignment_start). xdist hands out the files with the most items first, so the notebooks (one
+# item each, 9-77 s, the longest first) run last, once the runs they share with the tests are built; the workers end
+# within about a minute of one another. CANNTRAIN_VLLM_PYTHON=off: grpo.ipynb's vLLM cells belong to test-rollout-vllm,
+# even where a .venv-vllm was made.
 WORKERS ?= 3
 test: $(STAMP) lint bytecode
 	CANNTRAIN_VLLM_PYTHON=off OMP_NUM_THREADS=1 $(PY) -m pytest cookbook tests -m "not vllm" --nbmake --nbmake-timeout=900 -n $(WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
