@@ -23,11 +23,11 @@ from canntrain_core.errors import CanntrainError
 # unknown command import them all.
 COMMANDS = {
     "train": "canntrain_core.jobs.train_cli",
-    "export": "canntrain_core.checkpoint.cli",
+    "export": "canntrain_core.jobs.export_cli",
     "tasks": "canntrain_core.jobs.tasks_cli",
     "run": "canntrain_core.jobs.cli",  # notebooks headless
     "sweep": "canntrain_core.jobs.sweep_cli",  # a grid of notebook runs and their summary
-    "overfit": "canntrain_core.jobs.overfit",  # a few samples must be learned to near-zero loss
+    "overfit": "canntrain_core.jobs.overfit_cli",  # a few samples must be learned to near-zero loss
     "estimate": "canntrain_core.memory.cli",
     "plan": "canntrain_core.memory.cli",
     "kernels": "canntrain_kernels.cli",
@@ -37,7 +37,7 @@ COMMANDS = {
     "generate": "canntrain_core.jobs.generate_cli",  # sample from a run, a checkpoint or an export
     "eval": "canntrain_core.jobs.eval_cli",  # lm-evaluation-harness tasks on a run, a checkpoint or an export
     "plot": "canntrain_core.viz.cli",  # several runs' curves overlaid
-    "doctor": "canntrain_core.jobs.doctor",  # environment, rank map, collectives before a job
+    "doctor": "canntrain_core.jobs.doctor_cli",  # environment, rank map, collectives before a job
     "prepare": "canntrain_core.jobs.prepare_cli",  # raw corpora into token shards, once
 }
 

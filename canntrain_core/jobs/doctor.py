@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from canntrain_core.errors import BadInput, CanntrainError
+from canntrain_core.jobs.doctor_cli import LAUNCH
 from canntrain_core.jobs.doctor_comm import (
     ITERS,
     KEY,
@@ -64,8 +65,6 @@ ENV_VARS = (  # what steers the launch, the rendezvous and HCCL / NCCL / gloo
     "ASCEND_RT_VISIBLE_DEVICES CUDA_VISIBLE_DEVICES"
 ).split()
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
-DEFAULT_TIMEOUT = 60
-LAUNCH = "torchrun --nproc_per_node K [--nnodes N ...] -m canntrain_core.cli doctor RECIPE"
 
 
 class DoctorFoundProblems(CanntrainError):
@@ -216,26 +215,6 @@ def rank_map_table(rows: list[dict]) -> str:
 
 
 # --------------------------------------------------------------------------- the command
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "doctor",
-        help="check the environment, rank map and collectives of a job before it trains (launch it like the job)",
-        description=f"Launch like the job: {LAUNCH}. As one process: the environment only.",
-    )
-    p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT,
-        help=f"seconds to wait for a rank at each step, and the process group's timeout (default {DEFAULT_TIMEOUT})",
-    )
-    p.add_argument("--max-bytes", default=None, help="largest message, e.g. 64MiB (default 4MiB on CPU, else 256MiB)")
-    p.add_argument("--delay-rank", type=int, default=None, metavar="R", help="rehearsal: make rank R start late")
-    p.add_argument("--delay-seconds", type=float, default=0.0, metavar="S", help="... by S seconds (a straggler)")
-    p.set_defaults(func=run)
 
 
 def _max_bytes(text: str | None, device_type: str) -> int:

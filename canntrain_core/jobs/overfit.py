@@ -10,7 +10,6 @@ weight decay is off. It passes when the last logged loss is under ``ratio`` (10 
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,21 +74,3 @@ def overfit(recipe, samples: int = 32, run_dir=None, ratio: float = 0.1, trainer
     trainer.fit()
     losses = [r["loss"] for r in read_metrics(trainer.run_dir) if "loss" in r]
     return OverfitResult(trainer.run_dir, losses[0], losses[-1], ratio)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("overfit", help="check that a recipe's model drives its loss near zero on a few samples")
-    p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--samples", type=int, default=32, help="rows to train on again and again (default 32)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    p.add_argument("--run-dir", default=None, help="where the run goes (default runs/overfit-<time>)")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.samples < 1 or args.steps < 10:
-        raise BadInput("--samples must be >= 1 and --steps >= 10")
-    result = overfit(overfit_recipe(args.recipe, args.overrides, args.steps), args.samples, args.run_dir)
-    print(result)
-    return 0 if result.passed else 1

@@ -11,9 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from canntrain_core.data.cache import DataError
-from canntrain_core.data.prepare import PrepareOptions, prepare
-
 _SIZES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -56,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred: start-up time (canntrain --help imports this module; the data path imports torch)
+    from canntrain_core.data.cache import DataError
+    from canntrain_core.data.prepare import PrepareOptions, prepare
+
     if args.train_tokenizer is not None and not 260 <= args.train_tokenizer <= 2**20:
         raise DataError(f"--train-tokenizer {args.train_tokenizer}: a vocabulary of 260 to 1048576 tokens")
     opts = PrepareOptions(text_field=args.text_field, on_bad_record=args.on_bad_record, unit_bytes=args.shard_size)

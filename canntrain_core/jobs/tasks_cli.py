@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 
 from canntrain_core.errors import BadInput
-from canntrain_core.finetune.alignment_data import preference_records
-from canntrain_core.finetune.data import write_jsonl
 from canntrain_core.finetune.tasks import KINDS, task_records
 
 
@@ -31,6 +29,10 @@ def run(args: argparse.Namespace) -> int:
             if unknown
             else "--n must be >= 1 and --kinds name at least one task"
         )
+    # deferred: start-up time (canntrain --help imports this module; these import torch)
+    from canntrain_core.finetune.alignment_data import preference_records
+    from canntrain_core.finetune.data import write_jsonl
+
     make = preference_records if args.pairs else task_records
     path = write_jsonl(args.output, make(args.n, args.seed, kinds))
     print(f"wrote {args.n} {'preference pairs' if args.pairs else 'records'} ({', '.join(kinds)}) to {path}")

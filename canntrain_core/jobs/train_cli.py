@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 from canntrain_core.recipe import load_recipe
-from canntrain_core.stages import make_trainer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred: start-up time (canntrain --help imports this module; torch only when it trains)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     # Under torchrun, @record writes a failing rank's exception where the launcher's summary shows it.
     return record(_train)(args)
 
@@ -42,6 +42,9 @@ def _train(args: argparse.Namespace) -> int:
     # CanntrainError: canntrain_core.cli prints them as one line and exits with their code.
     recipe = load_recipe(args.recipe, args.overrides)
     print(recipe.summary())
+    # deferred: start-up time (the stages import torch and transformers; a bad recipe is reported before them)
+    from canntrain_core.stages import make_trainer
+
     trainer = make_trainer(recipe, run_dir=args.run_dir, resume_from=args.resume_from, progress=not args.no_progress)
     result = trainer.fit()
     if trainer.rank == 0:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from canntrain_core.checkpoint.export import export_hf
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
@@ -27,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred: start-up time (canntrain --help imports this module; the export imports torch and transformers)
+    from canntrain_core.checkpoint.export import export_hf
+
     done = export_hf(args.source, args.output, args.dtype, args.max_shard_size, merge=args.merge)
     print(
         f"exported {done.checkpoint} -> {done.out}: {done.tensors} tensors, {done.bytes / 2**20:,.1f} MiB "
