@@ -45,7 +45,7 @@ lint: $(STAMP)
 # Three workers (pytest-xdist), one torch thread each, on a 2-core machine: the tiny models' steps gain little from a
 # second thread, and a third worker fills the time the others wait on a subprocess, a launch or a timeout (a fresh clone
 # here, install included: 10 min 57 s with three workers and uv against 12 min 28 s with two and pip at 2d0ab90; 10 min
-# 18 s to 10 min 57 s now on three clones, with empty compile and data caches as CI has, the notebooks' kernels and the
+# 18 s to 10 min 57 s now on four clones, with empty compile and data caches as CI has, the notebooks' kernels and the
 # local ranks' forkservers forked from one import (tests/forked_kernels.py); four workers were no faster: the suite is
 # CPU-bound). A file's tests stay on one worker (its module's shared runs are built once); runs shared across files are
 # cached under a lock (jobs/alignment_start). xdist hands out the files with the most items first, so the notebooks (one
