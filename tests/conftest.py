@@ -85,8 +85,8 @@ def pytest_configure(config):
         config._canntrain_cache = os.environ["CANNTRAIN_CACHE"] = str(Path(os.environ["CANNTRAIN_RUNS"]) / "data-cache")
     if config.getoption("nbmake", False) and not hasattr(config, "workerinput"):
         _start_forked_kernels(config)
-    if forked_kernels.session_folder():  # this process's forkserver (local ranks) is forked by the zygote too
-        forked_kernels.use_interpreter(forked_kernels.session_folder())
+    if folder := forked_kernels.session_folder():  # this process's forkserver (local ranks) is forked by it too
+        forked_kernels.use_interpreter(folder)
 
 
 def _start_forked_kernels(config):

@@ -154,10 +154,12 @@ def connect(socket_path: str, kernel_argv: list[str]) -> None:
 def python(socket_path: str, args: list[str]) -> None:
     """``python ARGS``: a forkserver forked by the zygote when ARGS start one; any other command, or a declined
     request, runs in the real interpreter (the passed descriptors stay open across the exec)."""
-    match = _FORKSERVER.match(args[args.index("-c") + 1]) if "-c" in args[:-1] else None
+    at = args.index("-c") if "-c" in args[:-1] else None  # the interpreter's flags come before it, the command after
+    match = _FORKSERVER.match(args[at + 1]) if at is not None else None
     if match:
         targets = [0, 1, 2, int(match["listener"]), int(match["alive"])]
-        _stand_in(socket_path, {"kind": "forkserver", "args": args, "fds": targets}, targets)
+        request = {"kind": "forkserver", "flags": args[:at], "command": args[at + 1], "fds": targets}
+        _stand_in(socket_path, request, targets)
     os.execv(sys.executable, [sys.executable, *args])
 
 
@@ -242,7 +244,7 @@ def _become(request: dict, fds: list[int], preloaded: dict) -> None:
         if request["kind"] == "forkserver":
             sys.argv = ["-c"]
             sys.path[0] = ""  # what ``python -c`` puts first
-            exec(request["args"][request["args"].index("-c") + 1], {"__name__": "__main__"})
+            exec(request["command"], {"__name__": "__main__"})
         else:
             sys.path[0] = request["cwd"]  # what ``python -m ipykernel_launcher`` puts first
             sys.argv = [importlib.util.find_spec("ipykernel_launcher").origin, *request["argv"]]
@@ -351,9 +353,8 @@ def _declined(request: dict, fds: list[int], differs: list[str], ours: set[int])
         return "" if len(fds) == 3 else "it sent no stdin, stdout and stderr"
     if request.get("kind") != "forkserver" or len(fds) != 5 or len(request.get("fds", ())) != 5:
         return "its request is not a kernel's or a forkserver's"
-    flags = request["args"][: request["args"].index("-c")]
-    if flags != multiprocessing.util._args_from_interpreter_flags():
-        return f"its interpreter flags {flags} are not the zygote's"
+    if request["flags"] != multiprocessing.util._args_from_interpreter_flags():
+        return f"its interpreter flags {request['flags']} are not the zygote's"
     taken = [fd for fd in request["fds"][3:] if fd not in ours and _is_open(fd)]
     return f"descriptors {taken} are in use here" if taken else ""
 
